@@ -1,0 +1,172 @@
+"""Identity: API keys and the user directory (user → groups), stored in SQLite.
+
+Keys look like `rag_<id>_<secret>`. Only a SHA-256 of the whole key is stored (keys are
+random 256-bit secrets, so a fast hash is enough); lookup is by the public id part and
+the hash is compared in constant time, so timing says nothing about other keys.
+"""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import hmac
+import json
+import pwd
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from permissions.models import Principal, check_name
+from rag.errors import AuthenticationError, NotFoundError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS users (
+    name TEXT PRIMARY KEY,
+    groups TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id TEXT PRIMARY KEY,
+    key_hash TEXT NOT NULL,
+    user TEXT NOT NULL,
+    groups TEXT NOT NULL,
+    label TEXT,
+    created_at REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+_KEY_PREFIX = "rag_"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key_id: str
+    user: str
+    groups: tuple[str, ...]
+    label: str | None
+    created_at: float
+    revoked: bool
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class IdentityStore:
+    """Users, their groups, and API keys that stand for them."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(path, timeout=30.0, isolation_level=None,
+                                    check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- users -------------------------------------------------------------------------
+
+    def add_user(self, name: str, groups: list[str] | tuple[str, ...] = ()) -> Principal:
+        """Register a user (or replace their groups)."""
+        principal = Principal(check_name(name, "user"), frozenset(groups))
+        self.conn.execute(
+            "INSERT INTO users (name, groups, created_at) VALUES (?, ?, ?)"
+            " ON CONFLICT(name) DO UPDATE SET groups = excluded.groups",
+            (name, json.dumps(sorted(principal.groups)), time.time()),
+        )
+        return principal
+
+    def users(self) -> list[Principal]:
+        return [Principal(r[0], frozenset(json.loads(r[1])))
+                for r in self.conn.execute("SELECT name, groups FROM users ORDER BY name")]
+
+    def principal_for(self, user: str, extra_groups: list[str] | tuple[str, ...] = ()) -> Principal:
+        """Resolve a user name to a principal: the directory first, then the system's.
+
+        Raises:
+            NotFoundError: the user is neither registered nor a system user.
+        """
+        check_name(user, "user")
+        row = self.conn.execute("SELECT groups FROM users WHERE name = ?", (user,)).fetchone()
+        if row is not None:
+            groups = set(json.loads(row[0]))
+        else:
+            system = system_groups(user)
+            if system is None:
+                raise NotFoundError(
+                    f"unknown user {user!r}: register it with `rag users add {user} --group G`"
+                    " (or create a key with `rag keys create --user ...`)"
+                )
+            groups = system
+        return Principal(user, frozenset(groups | set(extra_groups)))
+
+    # -- keys --------------------------------------------------------------------------
+
+    def create_key(self, user: str, groups: list[str] | tuple[str, ...] = (),
+                   label: str | None = None) -> str:
+        """Create a key for a user with these groups; returns the key (shown once)."""
+        principal = Principal(check_name(user, "user"), frozenset(groups))
+        key_id = secrets.token_hex(6)
+        key = f"{_KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+        self.conn.execute(
+            "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (key_id, _hash(key), user, json.dumps(sorted(principal.groups)), label, time.time()),
+        )
+        # The user directory learns about key holders, so `rag query --as` knows them too.
+        if self.conn.execute("SELECT 1 FROM users WHERE name = ?", (user,)).fetchone() is None:
+            self.add_user(user, sorted(principal.groups))
+        return key
+
+    def authenticate(self, key: str | None) -> Principal:
+        """The principal a key stands for.
+
+        Raises:
+            AuthenticationError: missing, malformed, unknown or revoked key (one message
+            for all, so a caller learns nothing about which keys exist).
+        """
+        failure = AuthenticationError("invalid or missing API key")
+        if not key or not key.startswith(_KEY_PREFIX) or key.count("_") < 2:
+            # Hash anyway so a malformed key costs the same time as a wrong one.
+            hmac.compare_digest(_hash(key or ""), _hash("x"))
+            raise failure
+        key_id = key[len(_KEY_PREFIX):].split("_", 1)[0]
+        row = self.conn.execute(
+            "SELECT key_hash, user, groups, revoked FROM api_keys WHERE key_id = ?", (key_id,)
+        ).fetchone()
+        stored = row[0] if row else _hash("x")
+        if not hmac.compare_digest(_hash(key), stored) or row is None or row[3]:
+            raise failure
+        return Principal(row[1], frozenset(json.loads(row[2])))
+
+    def list_keys(self) -> list[KeyInfo]:
+        return [
+            KeyInfo(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], bool(r[5]))
+            for r in self.conn.execute(
+                "SELECT key_id, user, groups, label, created_at, revoked FROM api_keys"
+                " ORDER BY created_at"
+            )
+        ]
+
+    def revoke_key(self, key_id: str) -> None:
+        cur = self.conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?", (key_id,))
+        if cur.rowcount == 0:
+            raise NotFoundError(f"no API key with id {key_id!r} (see `rag keys list`)")
+
+
+def system_groups(user: str) -> set[str] | None:
+    """A system user's groups (primary and supplementary), or None if no such user."""
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    groups = {g.gr_name for g in grp.getgrall() if user in g.gr_mem}
+    try:
+        groups.add(grp.getgrgid(pw.pw_gid).gr_name)
+    except KeyError:
+        pass
+    return groups

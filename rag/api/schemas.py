@@ -1,0 +1,34 @@
+"""Request and response bodies of the API."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class QueryRequest(BaseModel):
+    question: str = Field(min_length=1, max_length=4000, description="the question")
+    k: int = Field(default=5, ge=1, le=50, description="number of sources")
+    generate: bool = Field(default=True, description="generate an answer, or retrieve only")
+    collection: str | None = Field(default=None, description="collection (default: 'default')")
+
+
+class CitationOut(BaseModel):
+    number: int
+    document: str
+    source: str
+    chunk: int
+    score: float
+    text: str
+
+
+class QueryResponse(BaseModel):
+    question: str
+    user: str
+    answer: str | None
+    citations: list[CitationOut]
+    timings_ms: dict[str, float]
+
+
+class Health(BaseModel):
+    status: str
+    collections: list[str]

@@ -1,0 +1,244 @@
+"""The `rag` command line: ingest, query, serve, keys, users, collections."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rag.errors import RagError
+
+app = typer.Typer(
+    help="Permission-aware RAG over a lab's documents. Data lives in --home (default ./.rag, "
+    "or RAG_HOME).",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+)
+keys_app = typer.Typer(help="API keys for `rag serve` (each stands for a user and groups).",
+                       no_args_is_help=True)
+users_app = typer.Typer(help="The user directory: which groups each user belongs to.",
+                        no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+app.add_typer(users_app, name="users")
+
+_state: dict[str, object] = {}
+
+Home = Annotated[Path | None, typer.Option("--home", help="data directory (default: RAG_HOME or ./.rag)")]
+Collection = Annotated[str | None, typer.Option("--collection", "-c", help="collection name (default: 'default')")]
+
+
+def _err(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+
+
+def _rag(home: Path | None = None, **overrides: object):
+    from rag.pipeline import Rag
+    from rag.settings import load_settings
+
+    settings = load_settings(home=home or _state.get("home"), **overrides)
+    return Rag(settings)
+
+
+@app.callback()
+def _main(
+    home: Home = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what happens")] = False,
+) -> None:
+    _state["home"] = home
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="files or directories to ingest (md, txt, html, pdf, docx, jsonl)")],
+    collection: Collection = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+) -> None:
+    """Ingest documents with their permissions; re-running only redoes what changed.
+
+    ACLs come from sidecar `.rag-acl.toml` files (nearest up the tree wins), JSONL `acl`
+    fields, or else the files' POSIX owner/group/mode. Exit code 1 if any source failed.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    for p in paths:
+        if not p.exists():
+            raise RagError(f"path not found: {p}")
+    rag = _rag()
+    started = time.perf_counter()
+    show = sys.stderr.isatty() and not as_json
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True, disable=not show) as bar:
+        task = bar.add_task("loading models", total=None)
+        rag.embedder  # noqa: B018 - load before the bar starts counting documents
+
+        def progress(stage: str, done: int, total: int) -> None:
+            bar.update(task, description="ingesting", completed=done, total=total)
+
+        report = rag.ingest(paths, collection, progress)
+    elapsed = time.perf_counter() - started
+    stats = rag.catalog.collection_stats(rag.index(collection).name)
+    if as_json:
+        out = report.as_dict() | {"collection": rag.index(collection).name, "wall_seconds": round(elapsed, 2),
+                                  "collection_stats": stats}
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        name = rag.index(collection).name
+        typer.echo(
+            f"collection {name!r}: {report.added} added, {report.updated} updated, "
+            f"{report.acl_updated} ACL-only updates, {report.unchanged} unchanged, "
+            f"{report.deleted} deleted; {report.chunks_written} chunks written "
+            f"({report.tokens_embedded} tokens embedded) in {elapsed:.1f}s"
+        )
+        typer.echo(f"now {stats['documents']} documents, {stats['chunks']} chunks")
+        stages = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
+        typer.echo(f"time by stage: {stages}")
+        if report.problems:
+            typer.echo(f"{len(report.problems)} source(s) skipped:")
+            for p in report.problems:
+                typer.echo(f"  {p.key}: {p.reason}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def query(
+    question: Annotated[str, typer.Argument(help="the question")],
+    user: Annotated[str, typer.Option("--as", help="ask as this user (registered or a system user)")],
+    group: Annotated[list[str] | None, typer.Option("--group", "-g", help="extra group for this query (repeatable)")] = None,
+    k: Annotated[int | None, typer.Option("--k", help="number of sources (default 5)")] = None,
+    no_generate: Annotated[bool, typer.Option("--no-generate", help="retrieve and rerank only")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    collection: Collection = None,
+) -> None:
+    """Answer a question from the documents USER may read, with numbered citations."""
+    rag = _rag()
+    principal = rag.principal(user, group or [])
+    answer = rag.query(question, principal, collection=collection, k=k, generate=not no_generate)
+    if as_json:
+        typer.echo(json.dumps(answer_to_dict(answer, principal), indent=2))
+        return
+    if answer.text is not None:
+        typer.echo(answer.text)
+        typer.echo("")
+    if not answer.citations:
+        typer.echo(f"(no sources that {principal.user} may read match this question)")
+    for c in answer.citations:
+        typer.echo(f"[{c.number}] {_display_path(c.source)} (chunk {c.chunk_index}, score {c.score:.3f})")
+    typer.echo(f"({', '.join(f'{k} {v * 1000:.0f} ms' for k, v in answer.timings.items())})",
+               err=True)
+
+
+def answer_to_dict(answer, principal) -> dict:
+    return {
+        "question": answer.question,
+        "user": principal.user,
+        "groups": sorted(principal.groups),
+        "answer": answer.text,
+        "citations": [
+            {"number": c.number, "source": c.source, "document": c.document_key,
+             "chunk": c.chunk_index, "score": round(c.score, 4), "text": c.text}
+            for c in answer.citations
+        ],
+        "timings_ms": {k: round(v * 1000, 1) for k, v in answer.timings.items()},
+    }
+
+
+def _display_path(source: str) -> str:
+    try:
+        return os.path.relpath(source)
+    except ValueError:
+        return source
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
+) -> None:
+    """Serve the query API (POST /v1/query with `Authorization: Bearer KEY`, GET /healthz)."""
+    import uvicorn
+
+    from rag.api.app import create_app
+    from rag.settings import load_settings
+
+    settings = load_settings(home=_state.get("home"), host=host, port=port)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command("collections")
+def collections() -> None:
+    """List collections with their document and chunk counts."""
+    rag = _rag()
+    names = rag.catalog.collection_names()
+    if not names:
+        typer.echo("no collections yet: run `rag ingest PATH`")
+    for name in names:
+        info = rag.catalog.get_collection(name)
+        stats = rag.catalog.collection_stats(name)
+        typer.echo(f"{name}: {stats['documents']} documents, {stats['chunks']} chunks, "
+                   f"embedder {info.embedder} ({info.dim} dims)")
+
+
+@keys_app.command("create")
+def keys_create(
+    user: Annotated[str, typer.Option("--user", help="the user this key stands for")],
+    group: Annotated[list[str] | None, typer.Option("--group", "-g", help="group of the user (repeatable)")] = None,
+    label: Annotated[str | None, typer.Option(help="a note to tell keys apart")] = None,
+) -> None:
+    """Create an API key; it is printed once and stored only as a hash."""
+    key = _rag().identity.create_key(user, group or [], label)
+    typer.echo(key)
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (ids, users, groups; never the keys themselves)."""
+    for k in _rag().identity.list_keys():
+        state = "revoked" if k.revoked else "active"
+        typer.echo(f"{k.key_id}  {k.user}  groups={','.join(k.groups) or '-'}  {state}  {k.label or ''}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="key id from `rag keys list`")]) -> None:
+    """Revoke a key: requests with it get 401 from then on."""
+    _rag().identity.revoke_key(key_id)
+    typer.echo(f"revoked {key_id}")
+
+
+@users_app.command("add")
+def users_add(
+    name: Annotated[str, typer.Argument(help="user name")],
+    group: Annotated[list[str] | None, typer.Option("--group", "-g", help="group (repeatable)")] = None,
+) -> None:
+    """Register a user with their groups (replaces the groups of an existing user)."""
+    p = _rag().identity.add_user(name, group or [])
+    typer.echo(f"{p.user}: {', '.join(sorted(p.groups)) or '(no groups)'}")
+
+
+@users_app.command("list")
+def users_list() -> None:
+    """List registered users and their groups."""
+    for p in _rag().identity.users():
+        typer.echo(f"{p.user}: {', '.join(sorted(p.groups)) or '(no groups)'}")
+
+
+def main() -> None:
+    """Entry point: one-line errors and a non-zero exit for anything the user can fix."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        app()
+    except RagError as e:
+        _err(str(e))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        sys.exit(130)

@@ -1,0 +1,179 @@
+"""The RAG pipeline: retrieve (permission-filtered) → rerank → pack → generate.
+
+`Rag` owns the catalog, the identity store and the models (loaded lazily, once), and is
+what the CLI, the API and notebooks use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
+from permissions.identity import IdentityStore
+from permissions.models import Principal
+from rag.errors import ConfigError
+from rag.prompts import build_messages, canonical_order, citations_for, select_sources
+from rag.settings import Settings, check_collection_name
+from rag.types import Answer
+from retrieval.catalog import Catalog
+from retrieval.index import CollectionIndex
+from retrieval.retriever import Retriever
+
+if TYPE_CHECKING:
+    from generation import LLM
+    from ingest.embed import Embedder
+    from retrieval.rerank import CrossEncoderReranker
+
+
+class Rag:
+    """One data directory's collections, users and models."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        settings.home.mkdir(parents=True, exist_ok=True)
+        self.catalog = Catalog(settings.catalog_path)
+        self.identity = IdentityStore(settings.catalog_path)
+        self._indexes: dict[str, CollectionIndex] = {}
+        self._lock = threading.Lock()
+        self._generate_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.catalog.close()
+        self.identity.close()
+
+    # -- models (lazy: a query with --no-generate never loads the generator) ------------
+
+    @cached_property
+    def embedder(self) -> Embedder:
+        from ingest.embed import Embedder, EmbedderConfig
+
+        return Embedder(EmbedderConfig(model=self.settings.embedder, device=self.settings.device,
+                                       batch_size=self.settings.embed_batch_size))
+
+    @cached_property
+    def reranker(self) -> CrossEncoderReranker:
+        from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
+
+        path = resolve_reranker_dir(self.settings.reranker, self.settings.model_cache)
+        return CrossEncoderReranker(path, device=self.settings.device)
+
+    @cached_property
+    def llm(self) -> LLM:
+        from generation import LLM
+        from generation.loader import resolve_model_dir
+
+        path = resolve_model_dir(self.settings.generator, self.settings.model_cache)
+        return LLM(path, device=self.settings.device)
+
+    # -- collections ---------------------------------------------------------------------
+
+    def index(self, collection: str | None = None, create: bool = False) -> CollectionIndex:
+        """The index of a collection (NotFoundError if it does not exist and not `create`)."""
+        name = check_collection_name(collection or self.settings.collection)
+        with self._lock:
+            if name in self._indexes:
+                return self._indexes[name]
+            if create:
+                from ingest.chunk import ChunkingConfig
+
+                cfg = ChunkingConfig(self.settings.chunk_max_tokens,
+                                     self.settings.chunk_overlap_tokens)
+                info = self.catalog.create_collection(
+                    name, self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
+                    {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens},
+                )
+            else:
+                info = self.catalog.get_collection(name)
+            index = CollectionIndex(self.catalog, info, self.settings.index_dir)
+            self._indexes[name] = index
+            return index
+
+    def ingest(self, paths: Sequence[Path], collection: str | None = None,
+               progress: ProgressFn | None = None) -> IngestReport:
+        """Bring a collection in line with the sources under `paths` (creating it if new)."""
+        from ingest.chunk import Chunker, ChunkingConfig
+
+        index = self.index(collection, create=True)
+        chunking = index.info.chunking
+        chunker = Chunker(self.embedder.tokenizer,
+                          ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
+        return IngestPipeline(index, self.embedder.embed, chunker).run(paths, progress)
+
+    # -- identity ------------------------------------------------------------------------
+
+    def principal(self, user: str, groups: Sequence[str] = ()) -> Principal:
+        return self.identity.principal_for(user, tuple(groups))
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def retriever(self, collection: str | None = None) -> Retriever:
+        return Retriever(self.index(collection), self.embedder.embed_query,
+                         self.reranker if self.settings.rerank else None)
+
+    def query(self, question: str, principal: Principal, collection: str | None = None,
+              k: int | None = None, generate: bool = True) -> Answer:
+        """Answer a question from what `principal` may read.
+
+        Raises:
+            ConfigError: empty question or bad k.
+            NotFoundError: unknown collection.
+        """
+        answer, tokens = self._prepare(question, principal, collection, k, generate)
+        if tokens is not None:
+            t = time.perf_counter()
+            answer.text = "".join(tokens).strip()
+            answer.timings["generate"] = time.perf_counter() - t
+            answer.timings["total"] += answer.timings["generate"]
+        return answer
+
+    def stream(self, question: str, principal: Principal, collection: str | None = None,
+               k: int | None = None) -> tuple[Answer, Iterator[str]]:
+        """Retrieval now, then an iterator of answer text pieces (generation is lazy)."""
+        answer, tokens = self._prepare(question, principal, collection, k, True)
+        assert tokens is not None
+        return answer, tokens
+
+    def _prepare(self, question: str, principal: Principal, collection: str | None,
+                 k: int | None, generate: bool) -> tuple[Answer, Iterator[str] | None]:
+        question = (question or "").strip()
+        if not question:
+            raise ConfigError("empty question: ask something, e.g. rag query \"Which GPU nodes can I use?\"")
+        k = k if k is not None else self.settings.top_k
+        if not 1 <= k <= 100:
+            raise ConfigError(f"k must be between 1 and 100, got {k}")
+        total = time.perf_counter()
+        result = self.retriever(collection).retrieve(
+            question, principal, k=k, candidates=max(k, self.settings.candidates),
+            rerank=self.settings.rerank,
+        )
+        timings = dict(result.timings)
+        answer = Answer(question=question, text=None, citations=[], hits=result.hits,
+                        timings=timings)
+        if not generate:
+            answer.citations = citations_for(canonical_order(result.hits))
+            timings["total"] = time.perf_counter() - total
+            return answer, None
+        t = time.perf_counter()
+        llm = self.llm
+        timings["load_generator"] = time.perf_counter() - t
+        sources = canonical_order(select_sources(
+            result.hits, lambda s: len(llm.tokenizer.encode(s)), self.settings.context_tokens))
+        answer.citations = citations_for(sources)
+        messages = build_messages(question, sources)
+        timings["total"] = time.perf_counter() - total
+        return answer, self._generate(messages)
+
+    def _generate(self, messages: list[dict[str, str]]) -> Iterator[str]:
+        from generation import SamplingParams
+
+        params = SamplingParams(temperature=self.settings.temperature,
+                                max_tokens=self.settings.max_new_tokens)
+        prompt = self.llm.apply_chat_template(messages)
+        # The simple generator is not thread-safe; one generation at a time.
+        with self._generate_lock:
+            yield from self.llm.stream(prompt, params)

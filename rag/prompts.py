@@ -1,0 +1,55 @@
+"""Context packing: numbered sources in a canonical order, the question last.
+
+Sources are ordered by (document, chunk) rather than by score, so that requests sharing
+documents share a token prefix (the generation engine's prefix cache can reuse it), and
+the question always comes last. Citation numbers follow that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rag.types import Citation, Hit
+
+SYSTEM_PROMPT = (
+    "You answer questions for members of a research institute using only the numbered "
+    "sources given. Cite the sources you use like [1]. If the sources do not contain the "
+    "answer, say that you don't know. Be brief."
+)
+
+
+def select_sources(hits: Sequence[Hit], count_tokens: Callable[[str], int],
+                   budget_tokens: int) -> list[Hit]:
+    """The best hits that fit the token budget (at least one, truncated if it must)."""
+    chosen: list[Hit] = []
+    used = 0
+    for hit in hits:
+        cost = count_tokens(hit.text) + 8
+        if used + cost > budget_tokens and chosen:
+            continue
+        chosen.append(hit)
+        used += cost
+    return chosen
+
+
+def canonical_order(hits: Sequence[Hit]) -> list[Hit]:
+    return sorted(hits, key=lambda h: (h.document_key, h.chunk_index))
+
+
+def build_messages(question: str, sources: Sequence[Hit]) -> list[dict[str, str]]:
+    """Chat messages: system, then one user turn with the numbered sources and the question."""
+    blocks = []
+    for n, hit in enumerate(sources, 1):
+        name = hit.title or hit.document_key.rsplit("/", 1)[-1]
+        blocks.append(f"[{n}] {name}\n{hit.text.strip()}")
+    context = "\n\n".join(blocks) if blocks else "(no sources available to you)"
+    user = f"Sources:\n\n{context}\n\nQuestion: {question.strip()}"
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def citations_for(sources: Sequence[Hit]) -> list[Citation]:
+    return [
+        Citation(number=n, document_key=h.document_key, source=h.source,
+                 chunk_index=h.chunk_index, score=h.score, text=h.text)
+        for n, h in enumerate(sources, 1)
+    ]

@@ -1,0 +1,109 @@
+"""Settings: the only module that reads the environment (RAG_* variables) and the TOML file.
+
+Everything of the embedded default lives under one data directory (`RAG_HOME`, default
+`./.rag`): the SQLite catalog, Faiss index files and converted model caches. A `rag.toml`
+in that directory (or the file named by `RAG_CONFIG`) may set any field; environment
+variables override the file, and CLI flags override both.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rag.errors import ConfigError
+
+
+class Settings(BaseSettings):
+    """Every knob of the framework, with defaults that run the embedded setup."""
+
+    model_config = SettingsConfigDict(env_prefix="RAG_", extra="forbid", frozen=True)
+
+    home: Path = Field(default=Path(".rag"), description="data directory of the embedded default")
+    collection: str = Field(default="default", description="collection used when none is named")
+    embedder: str | None = Field(default=None, description="local HF encoder folder; None = packaged all-MiniLM-L6-v2")
+    reranker: str | None = Field(default=None, description="local HF cross-encoder folder; None = packaged ms-marco-MiniLM-L-12-v2")
+    generator: str | None = Field(default=None, description="local HF causal-LM folder or .gguf; None = packaged SmolLM2-135M-Instruct")
+    device: str | None = Field(default=None, description="cpu or cuda; None = cuda when available")
+    chunk_max_tokens: int = Field(default=200, ge=16, le=512)
+    chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
+    embed_batch_size: int = Field(default=64, ge=1, le=4096)
+    top_k: int = Field(default=5, ge=1, le=100, description="sources given to the generator")
+    candidates: int = Field(default=30, ge=1, le=1000, description="hits fetched before reranking")
+    rerank: bool = True
+    max_new_tokens: int = Field(default=160, ge=1, le=8192)
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    context_tokens: int = Field(default=1400, ge=64, description="budget for packed sources in the prompt")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+    @field_validator("collection")
+    @classmethod
+    def _check_collection(cls, v: str) -> str:
+        check_collection_name(v)
+        return v
+
+    @property
+    def catalog_path(self) -> Path:
+        return self.home / "catalog.sqlite"
+
+    @property
+    def index_dir(self) -> Path:
+        return self.home / "indexes"
+
+    @property
+    def model_cache(self) -> Path:
+        return self.home / "models"
+
+
+def check_collection_name(name: str) -> str:
+    """Collection names become file names: keep them simple."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name or ""):
+        raise ConfigError(
+            f"invalid collection name {name!r}: use 1-64 letters, digits, '_', '-' or '.'"
+        )
+    return name
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build Settings from the TOML file, RAG_* variables and explicit overrides (highest).
+
+    Raises:
+        ConfigError: the TOML file is unreadable or a value is invalid.
+    """
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    home = Path(overrides.get("home") or os.environ.get("RAG_HOME") or ".rag")
+    config_file = Path(os.environ.get("RAG_CONFIG") or home / "rag.toml")
+    file_values: dict[str, Any] = {}
+    if config_file.is_file():
+        try:
+            file_values = tomllib.loads(config_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read settings file {config_file}: {e}") from e
+    elif os.environ.get("RAG_CONFIG"):
+        raise ConfigError(f"RAG_CONFIG points at {config_file}, which does not exist")
+    # pydantic-settings gives init kwargs priority over env; we want env over file, so
+    # drop file values that the environment sets.
+    for key in list(file_values):
+        if f"RAG_{key.upper()}" in os.environ:
+            del file_values[key]
+    try:
+        return Settings(**{**file_values, **overrides})
+    except ValueError as e:
+        raise ConfigError(f"invalid settings: {_short_validation_error(e)}") from e
+
+
+def _short_validation_error(e: ValueError) -> str:
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in errors()
+        )
+    return str(e)

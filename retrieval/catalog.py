@@ -1,0 +1,377 @@
+"""The SQLite catalog: collections, documents, chunks, their ACLs and vectors.
+
+SQLite is the source of truth of the embedded default. Vectors are kept here too (float32
+blobs), so a Faiss index file is only a cache that can always be rebuilt: a crash between
+a catalog commit and an index save loses nothing. Every write to a collection bumps its
+`version`, which names the index file that matches it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rag.errors import NotFoundError, StoreError
+from rag.types import Chunk, Document
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS collections (
+    name TEXT PRIMARY KEY,
+    embedder TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    dim INTEGER NOT NULL,
+    chunking TEXT NOT NULL,
+    version INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS documents (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    collection TEXT NOT NULL REFERENCES collections(name) ON DELETE CASCADE,
+    key TEXT NOT NULL,
+    source TEXT NOT NULL,
+    title TEXT,
+    content_hash TEXT NOT NULL,
+    acl TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    UNIQUE (collection, key)
+);
+CREATE TABLE IF NOT EXISTS document_acl (
+    document_id INTEGER NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
+    principal TEXT NOT NULL,
+    PRIMARY KEY (principal, document_id)
+);
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    document_id INTEGER NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    heading TEXT,
+    num_tokens INTEGER NOT NULL,
+    metadata TEXT NOT NULL,
+    vector BLOB NOT NULL,
+    UNIQUE (document_id, idx)
+);
+CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id);
+"""
+
+
+@dataclass(frozen=True)
+class CollectionInfo:
+    """What a collection was built with; a query must use the same embedder."""
+
+    name: str
+    embedder: str
+    fingerprint: str
+    dim: int
+    chunking: dict
+    version: int
+
+
+@dataclass(frozen=True)
+class DocumentState:
+    """What incremental ingest compares against: the stored hash and ACL."""
+
+    id: int
+    key: str
+    content_hash: str
+    acl: frozenset[str]
+    num_chunks: int
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """A stored chunk joined with its document (what a hit is built from)."""
+
+    id: int
+    document_key: str
+    source: str
+    title: str | None
+    index: int
+    text: str
+    heading: str | None
+    acl: frozenset[str]
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open the catalog database with the pragmas every user of it needs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+class Catalog:
+    """Documents, chunks, ACLs and vectors of every collection, in one SQLite file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.conn = connect(path)
+            self.conn.executescript(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"cannot open catalog {path}: {e}; is it a RAG data directory?") from e
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- collections -------------------------------------------------------------------
+
+    def create_collection(
+        self, name: str, embedder: str, fingerprint: str, dim: int, chunking: dict
+    ) -> CollectionInfo:
+        """Create a collection, or check that an existing one matches the embedder."""
+        existing = self.find_collection(name)
+        if existing is not None:
+            if existing.fingerprint != fingerprint or existing.dim != dim:
+                raise StoreError(
+                    f"collection {name!r} was built with embedder {existing.embedder} "
+                    f"({existing.dim} dims); this run uses {embedder} ({dim} dims). "
+                    "Use the same embedder, or ingest into a new collection."
+                )
+            return existing
+        self.conn.execute(
+            "INSERT INTO collections (name, embedder, fingerprint, dim, chunking, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (name, embedder, fingerprint, dim, json.dumps(chunking, sort_keys=True), time.time()),
+        )
+        return self.get_collection(name)
+
+    def find_collection(self, name: str) -> CollectionInfo | None:
+        row = self.conn.execute(
+            "SELECT name, embedder, fingerprint, dim, chunking, version FROM collections"
+            " WHERE name = ?",
+            (name,),
+        ).fetchone()
+        if row is None:
+            return None
+        return CollectionInfo(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+
+    def get_collection(self, name: str) -> CollectionInfo:
+        """Raises NotFoundError naming the collections that do exist."""
+        info = self.find_collection(name)
+        if info is None:
+            names = self.collection_names()
+            have = ", ".join(names) if names else "none yet; run `rag ingest PATH` first"
+            raise NotFoundError(f"unknown collection {name!r} (collections: {have})")
+        return info
+
+    def collection_names(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT name FROM collections ORDER BY name")]
+
+    def version(self, collection: str) -> int:
+        row = self.conn.execute(
+            "SELECT version FROM collections WHERE name = ?", (collection,)
+        ).fetchone()
+        if row is None:
+            raise NotFoundError(f"unknown collection {collection!r}")
+        return int(row[0])
+
+    def collection_stats(self, collection: str) -> dict[str, int]:
+        docs = self.conn.execute(
+            "SELECT COUNT(*) FROM documents WHERE collection = ?", (collection,)
+        ).fetchone()[0]
+        chunks = self.conn.execute(
+            "SELECT COUNT(*) FROM chunks c JOIN documents d ON d.id = c.document_id"
+            " WHERE d.collection = ?",
+            (collection,),
+        ).fetchone()[0]
+        return {"documents": int(docs), "chunks": int(chunks)}
+
+    # -- documents ---------------------------------------------------------------------
+
+    def document_states(self, collection: str) -> dict[str, DocumentState]:
+        """Every stored document of a collection by key (for incremental ingest)."""
+        rows = self.conn.execute(
+            "SELECT d.id, d.key, d.content_hash, d.acl,"
+            " (SELECT COUNT(*) FROM chunks c WHERE c.document_id = d.id)"
+            " FROM documents d WHERE d.collection = ?",
+            (collection,),
+        )
+        return {
+            r[1]: DocumentState(r[0], r[1], r[2], frozenset(json.loads(r[3])), r[4]) for r in rows
+        }
+
+    def replace_document(
+        self, collection: str, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
+        vectors: np.ndarray,
+    ) -> tuple[list[int], list[int]]:
+        """Write a document with its chunks and vectors in one transaction.
+
+        Returns (chunk ids removed, chunk ids added) so the vector index can follow.
+        An interrupted call leaves the previous version intact.
+        """
+        assert len(chunks) == len(vectors)
+        info = self.get_collection(collection)
+        if len(chunks) and vectors.shape[1] != info.dim:
+            raise StoreError(
+                f"vectors have {vectors.shape[1]} dims but collection {collection!r} has {info.dim}"
+            )
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        with self._transaction():
+            removed = self._delete_document(collection, doc.key)
+            cur = self.conn.execute(
+                "INSERT INTO documents (collection, key, source, title, content_hash, acl,"
+                " metadata, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    collection, doc.key, doc.source, doc.title, doc.content_hash,
+                    json.dumps(sorted(acl)), json.dumps(doc.metadata, sort_keys=True, default=str),
+                    time.time(),
+                ),
+            )
+            doc_id = cur.lastrowid
+            self._write_acl(doc_id, acl)
+            added = []
+            for chunk, vec in zip(chunks, vectors, strict=True):
+                cur = self.conn.execute(
+                    "INSERT INTO chunks (document_id, idx, text, heading, num_tokens, metadata,"
+                    " vector) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        doc_id, chunk.index, chunk.text, chunk.heading, chunk.num_tokens,
+                        json.dumps(chunk.metadata, sort_keys=True, default=str), vec.tobytes(),
+                    ),
+                )
+                added.append(int(cur.lastrowid))
+            self._bump(collection)
+        return removed, added
+
+    def set_acl(self, collection: str, key: str, acl: frozenset[str]) -> None:
+        """Change who may read a document without touching its chunks or vectors."""
+        with self._transaction():
+            row = self.conn.execute(
+                "SELECT id FROM documents WHERE collection = ? AND key = ?", (collection, key)
+            ).fetchone()
+            if row is None:
+                raise NotFoundError(f"no document {key!r} in collection {collection!r}")
+            self.conn.execute(
+                "UPDATE documents SET acl = ?, updated_at = ? WHERE id = ?",
+                (json.dumps(sorted(acl)), time.time(), row[0]),
+            )
+            self.conn.execute("DELETE FROM document_acl WHERE document_id = ?", (row[0],))
+            self._write_acl(row[0], acl)
+            self._bump(collection)
+
+    def delete_document(self, collection: str, key: str) -> list[int]:
+        """Delete a document and its chunks; returns the removed chunk ids."""
+        with self._transaction():
+            removed = self._delete_document(collection, key)
+            self._bump(collection)
+        return removed
+
+    # -- reads for retrieval -----------------------------------------------------------
+
+    def allowed_chunk_ids(self, collection: str, tokens: Iterable[str]) -> np.ndarray:
+        """Ids of the chunks whose document ACL names one of `tokens` (int64, sorted)."""
+        tokens = sorted(set(tokens))
+        if not tokens:
+            return np.empty(0, dtype=np.int64)
+        marks = ",".join("?" * len(tokens))
+        rows = self.conn.execute(
+            "SELECT DISTINCT c.id FROM document_acl a"
+            " JOIN documents d ON d.id = a.document_id"
+            " JOIN chunks c ON c.document_id = d.id"
+            f" WHERE d.collection = ? AND a.principal IN ({marks}) ORDER BY c.id",
+            (collection, *tokens),
+        ).fetchall()
+        return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+
+    def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
+        """Chunks by id with their document's key, source, title and ACL."""
+        out: dict[int, ChunkRecord] = {}
+        ids = [int(i) for i in ids]
+        for start in range(0, len(ids), 500):
+            part = ids[start : start + 500]
+            marks = ",".join("?" * len(part))
+            for r in self.conn.execute(
+                "SELECT c.id, d.key, d.source, d.title, c.idx, c.text, c.heading, d.acl"
+                " FROM chunks c JOIN documents d ON d.id = c.document_id"
+                f" WHERE c.id IN ({marks})",
+                part,
+            ):
+                out[r[0]] = ChunkRecord(
+                    r[0], r[1], r[2], r[3], r[4], r[5], r[6], frozenset(json.loads(r[7]))
+                )
+        return out
+
+    def vectors(self, collection: str) -> tuple[np.ndarray, np.ndarray]:
+        """All (ids int64, vectors float32) of a collection, to rebuild an index."""
+        info = self.get_collection(collection)
+        rows = self.conn.execute(
+            "SELECT c.id, c.vector FROM chunks c JOIN documents d ON d.id = c.document_id"
+            " WHERE d.collection = ? ORDER BY c.id",
+            (collection,),
+        ).fetchall()
+        ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        vecs = np.empty((len(rows), info.dim), dtype=np.float32)
+        for i, r in enumerate(rows):
+            vecs[i] = np.frombuffer(r[1], dtype=np.float32)
+        return ids, vecs
+
+    def dump(self, collection: str) -> list[dict]:
+        """A canonical, id-free view of a collection (for comparing two ingests)."""
+        rows = self.conn.execute(
+            "SELECT d.key, d.content_hash, d.acl, d.title, c.idx, c.text, c.heading, c.vector"
+            " FROM documents d LEFT JOIN chunks c ON c.document_id = d.id"
+            " WHERE d.collection = ? ORDER BY d.key, c.idx",
+            (collection,),
+        )
+        return [
+            {
+                "key": r[0], "hash": r[1], "acl": json.loads(r[2]), "title": r[3], "index": r[4],
+                "text": r[5], "heading": r[6],
+                "vector": None if r[7] is None else np.frombuffer(r[7], dtype=np.float32),
+            }
+            for r in rows
+        ]
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _delete_document(self, collection: str, key: str) -> list[int]:
+        row = self.conn.execute(
+            "SELECT id FROM documents WHERE collection = ? AND key = ?", (collection, key)
+        ).fetchone()
+        if row is None:
+            return []
+        removed = [r[0] for r in self.conn.execute(
+            "SELECT id FROM chunks WHERE document_id = ?", (row[0],)
+        )]
+        self.conn.execute("DELETE FROM documents WHERE id = ?", (row[0],))
+        return removed
+
+    def _write_acl(self, doc_id: int, acl: frozenset[str]) -> None:
+        self.conn.executemany(
+            "INSERT INTO document_acl (document_id, principal) VALUES (?, ?)",
+            [(doc_id, p) for p in sorted(acl)],
+        )
+
+    def _bump(self, collection: str) -> None:
+        self.conn.execute(
+            "UPDATE collections SET version = version + 1 WHERE name = ?", (collection,)
+        )
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self.conn)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (one writer at a time)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.execute("ROLLBACK")

