@@ -56,7 +56,8 @@ def _main(
 
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="files or directories to ingest (md, txt, html, pdf, docx, jsonl)")],
+    paths: Annotated[list[Path], typer.Argument(
+        help="files or directories to ingest (md, txt, html, pdf, docx, jsonl)")],
     collection: Collection = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
@@ -85,8 +86,8 @@ def ingest(
     elapsed = time.perf_counter() - started
     stats = rag.catalog.collection_stats(rag.index(collection).name)
     if as_json:
-        out = report.as_dict() | {"collection": rag.index(collection).name, "wall_seconds": round(elapsed, 2),
-                                  "collection_stats": stats}
+        out = report.as_dict() | {"collection": rag.index(collection).name,
+                                  "wall_seconds": round(elapsed, 2), "collection_stats": stats}
         typer.echo(json.dumps(out, indent=2))
     else:
         name = rag.index(collection).name
@@ -111,7 +112,8 @@ def ingest(
 def query(
     question: Annotated[str, typer.Argument(help="the question")],
     user: Annotated[str, typer.Option("--as", help="ask as this user (registered or a system user)")],
-    group: Annotated[list[str] | None, typer.Option("--group", "-g", help="extra group for this query (repeatable)")] = None,
+    group: Annotated[list[str] | None, typer.Option(
+        "--group", "-g", help="extra group for this query (repeatable)")] = None,
     k: Annotated[int | None, typer.Option("--k", help="number of sources (default 5)")] = None,
     no_generate: Annotated[bool, typer.Option("--no-generate", help="retrieve and rerank only")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,

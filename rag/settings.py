@@ -26,9 +26,11 @@ class Settings(BaseSettings):
 
     home: Path = Field(default=Path(".rag"), description="data directory of the embedded default")
     collection: str = Field(default="default", description="collection used when none is named")
-    embedder: str | None = Field(default=None, description="local HF encoder folder; None = packaged all-MiniLM-L6-v2")
-    reranker: str | None = Field(default=None, description="local HF cross-encoder folder; None = packaged ms-marco-MiniLM-L-12-v2")
-    generator: str | None = Field(default=None, description="local HF causal-LM folder or .gguf; None = packaged SmolLM2-135M-Instruct")
+    # Models: a local Hugging Face folder each; None means the packaged default
+    # (all-MiniLM-L6-v2, ms-marco-MiniLM-L-12-v2, SmolLM2-135M-Instruct).
+    embedder: str | None = Field(default=None, description="local HF encoder folder")
+    reranker: str | None = Field(default=None, description="local HF cross-encoder folder")
+    generator: str | None = Field(default=None, description="local HF causal-LM folder or .gguf file")
     device: str | None = Field(default=None, description="cpu or cuda; None = cuda when available")
     chunk_max_tokens: int = Field(default=200, ge=16, le=512)
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)

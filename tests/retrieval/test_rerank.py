@@ -1,0 +1,198 @@
+"""The packaged reranker: ONNX -> Hugging Face conversion, parity with onnxruntime, reranking."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rag.errors import ConfigError, ModelError
+from rag.types import Hit
+from retrieval.rerank import (
+    DEFAULT_RERANKER_NAME,
+    MARKER_FILE,
+    CrossEncoderReranker,
+    _is_converted,
+    convert_onnx_reranker,
+    packaged_reranker_onnx,
+    resolve_reranker_dir,
+)
+
+# Belt and braces: the code loads with local_files_only, and a test must never reach a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SLURM = "How do I submit a job array with Slurm?"
+PAIRS = [
+    (SLURM, "Use sbatch --array=1-10 job.sh to submit a Slurm job array; each task gets "
+            "SLURM_ARRAY_TASK_ID."),
+    (SLURM, "The cafeteria serves lunch from noon to two."),
+    (SLURM, "Slurm is a workload manager for Linux clusters."),
+    ("What is the capital of France?", "Paris is the capital and most populous city of France."),
+    ("What is the capital of France?", "Berlin is the capital of Germany."),
+    ("What is the capital of France?", "France is a country in Western Europe."),
+    ("how many GPUs does each node have", "Each compute node has four NVIDIA A100 GPUs with "
+                                          "80 GB of memory and 512 GB of RAM."),
+    ("how many GPUs does each node have", "The storage quota for home directories is 50 GB."),
+    ("python virtual environment", "Create one with python -m venv .venv and activate it."),
+    ("python virtual environment", "Photosynthesis converts light energy into chemical energy."),
+]
+QUERY_GROUPS = [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]  # PAIRS by query
+# Measured: max |torch - onnxruntime| = 0.378 logits (mean 0.215) on a ~19-logit range,
+# Pearson 0.99987.
+# The gap is onnxruntime quantizing activations to uint8 at every MatMul (the converted
+# model keeps them in fp32), so the bound is loose in absolute terms but rankings agree.
+MAX_ABS_DIFF = 0.6
+MIN_CORRELATION = 0.999
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rerank-cache")
+
+
+@pytest.fixture(scope="session")
+def model_dir(cache_dir: Path) -> Path:
+    start = time.perf_counter()
+    path = resolve_reranker_dir(None, cache_dir)
+    print(f"\nreranker conversion took {time.perf_counter() - start:.2f} s")
+    return path
+
+
+@pytest.fixture(scope="session")
+def reranker(model_dir: Path) -> CrossEncoderReranker:
+    return CrossEncoderReranker(model_dir, device="cpu")
+
+
+def _hit(i: int, text: str, score: float = 0.5) -> Hit:
+    return Hit(chunk_id=i, document_key=f"doc{i}.md", source=f"/lab/doc{i}.md", chunk_index=0,
+               text=text, score=score, acl=frozenset({"public"}))
+
+
+def test_converted_folder_layout(model_dir: Path) -> None:
+    assert model_dir == model_dir.parent / DEFAULT_RERANKER_NAME
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["intermediate_size"]) == (12, 384, 12, 1536)
+    assert (config["vocab_size"], config["max_position_embeddings"],
+            config["type_vocab_size"]) == (30522, 512, 2)
+    assert len(config["id2label"]) == 1  # one relevance logit
+    assert (model_dir / MARKER_FILE).is_file()
+    assert not [p for p in model_dir.parent.iterdir() if ".tmp-" in p.name]  # no leftovers
+
+
+def test_scores_match_onnxruntime(reranker: CrossEncoderReranker) -> None:
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    onnx_path = packaged_reranker_onnx()
+    original = Tokenizer.from_file(str(onnx_path.parent / "tokenizer.json"))
+    original.no_padding()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+    reference = []
+    for query, passage in PAIRS:
+        enc = original.encode(query, passage)
+        # The converted folder's tokenizer must produce exactly the packaged tokenizer's ids.
+        assert reranker.tokenizer(query, passage)["input_ids"] == enc.ids
+        feeds = {
+            "input_ids": np.array([enc.ids], dtype=np.int64),
+            "attention_mask": np.array([enc.attention_mask], dtype=np.int64),
+            "token_type_ids": np.array([enc.type_ids], dtype=np.int64),
+        }
+        reference.append(float(session.run(["logits"], feeds)[0][0, 0]))
+    reference_arr = np.array(reference)
+    ours = np.array([reranker.score(q, [p])[0] for q, p in PAIRS])
+
+    diff = np.abs(ours - reference_arr)
+    corr = float(np.corrcoef(ours, reference_arr)[0, 1])
+    print(f"\nmax |diff| {diff.max():.4f}, mean |diff| {diff.mean():.4f}, pearson {corr:.6f}")
+    assert diff.max() <= MAX_ABS_DIFF
+    assert corr >= MIN_CORRELATION
+    for group in QUERY_GROUPS:  # each query's passages rank the same way
+        assert list(np.argsort(ours[group])) == list(np.argsort(reference_arr[group]))
+    # Batching (padding) must not change a score.
+    batched = reranker.score(SLURM, [p for _, p in PAIRS[:3]])
+    np.testing.assert_allclose(batched, ours[:3], atol=1e-4)
+
+
+def test_relevant_passage_scores_highest(reranker: CrossEncoderReranker) -> None:
+    passages = [p for _, p in PAIRS[:3]] + ["Lunch is served in the cafeteria."]
+    scores = reranker.score(SLURM, passages)
+    assert int(np.argmax(scores)) == 0
+    assert scores[0] - max(scores[1:]) > 5.0  # logits: a wide, not marginal, margin
+
+
+def test_rerank_reorders_hits(reranker: CrossEncoderReranker) -> None:
+    hits = [
+        _hit(1, "The cafeteria serves lunch from noon to two.", score=0.9),
+        _hit(2, "Slurm is a workload manager for Linux clusters.", score=0.8),
+        _hit(3, PAIRS[0][1], score=0.1),
+    ]
+    ranked = reranker.rerank(SLURM, hits)
+    assert [h.chunk_id for h in ranked] == [3, 2, 1]
+    assert ranked[0].score > ranked[1].score > ranked[2].score
+    assert ranked[0].score == pytest.approx(reranker.score(SLURM, [PAIRS[0][1]])[0], abs=1e-4)
+    assert hits[2].score == 0.1  # inputs are untouched: new Hit objects come back
+    assert ranked[0].acl == hits[2].acl and ranked[0].source == hits[2].source
+    assert [h.chunk_id for h in reranker.rerank(SLURM, hits, top_n=1)] == [3]
+    assert reranker.rerank(SLURM, hits, top_n=0) == []
+    assert reranker.rerank(SLURM, []) == []
+    with pytest.raises(ConfigError):
+        reranker.rerank(SLURM, hits, top_n=-1)
+
+
+def test_rerank_is_stable_on_ties(reranker: CrossEncoderReranker) -> None:
+    same = "Slurm is a workload manager for Linux clusters."
+    hits = [_hit(i, same) for i in (7, 3, 9)] + [_hit(1, PAIRS[0][1])]
+    assert [h.chunk_id for h in reranker.rerank(SLURM, hits)] == [1, 7, 3, 9]
+
+
+def test_conversion_is_cached(model_dir: Path, cache_dir: Path) -> None:
+    weights = model_dir / "model.safetensors"
+    before = (weights.stat().st_mtime_ns, weights.stat().st_ino)
+    start = time.perf_counter()
+    assert resolve_reranker_dir(None, cache_dir) == model_dir
+    assert time.perf_counter() - start < 1.0
+    assert (weights.stat().st_mtime_ns, weights.stat().st_ino) == before
+
+
+def test_stale_marker_is_not_trusted(model_dir: Path, tmp_path: Path) -> None:
+    onnx_path = packaged_reranker_onnx()
+    assert _is_converted(model_dir, onnx_path)
+    fake = tmp_path / "stale"
+    fake.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (fake / name).write_text("{}")
+    marker = json.loads((model_dir / MARKER_FILE).read_text())
+    (fake / MARKER_FILE).write_text(json.dumps({**marker, "converter_version": -1}))
+    assert not _is_converted(fake, onnx_path)
+    (fake / MARKER_FILE).unlink()
+    assert not _is_converted(fake, onnx_path)  # no marker: an interrupted or foreign folder
+
+
+def test_explicit_folder_is_returned_as_is(model_dir: Path, tmp_path: Path) -> None:
+    assert resolve_reranker_dir(model_dir, tmp_path) == model_dir
+    assert not (tmp_path / "reranker").exists()
+
+
+def test_bad_paths_are_model_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_reranker_dir(tmp_path / "nope", tmp_path)
+    with pytest.raises(ModelError, match="no config.json"):
+        resolve_reranker_dir(tmp_path, tmp_path)
+    with pytest.raises(ModelError, match="no config.json"):
+        CrossEncoderReranker(tmp_path / "nope", device="cpu")
+    with pytest.raises(ModelError, match="does not exist"):
+        convert_onnx_reranker(tmp_path / "missing.onnx", tmp_path / "out")
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not an onnx file")
+    with pytest.raises(ModelError):
+        convert_onnx_reranker(garbage, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
