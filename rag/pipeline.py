@@ -111,19 +111,21 @@ class Rag:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def retriever(self, collection: str | None = None) -> Retriever:
-        return Retriever(self.index(collection), self.embedder.embed_query,
-                         self.reranker if self.settings.rerank else None)
+    def retriever(self, collection: str | None = None, rerank: bool | None = None) -> Retriever:
+        """A retriever over a collection; the reranker is loaded only if it will be used."""
+        index = self.index(collection)  # first: an unknown collection fails before models load
+        use_rerank = self.settings.rerank if rerank is None else rerank
+        return Retriever(index, self.embedder.embed_query, self.reranker if use_rerank else None)
 
     def query(self, question: str, principal: Principal, collection: str | None = None,
-              k: int | None = None, generate: bool = True) -> Answer:
+              k: int | None = None, generate: bool = True, rerank: bool | None = None) -> Answer:
         """Answer a question from what `principal` may read.
 
         Raises:
             ConfigError: empty question or bad k.
             NotFoundError: unknown collection.
         """
-        answer, tokens = self._prepare(question, principal, collection, k, generate)
+        answer, tokens = self._prepare(question, principal, collection, k, generate, rerank)
         if tokens is not None:
             t = time.perf_counter()
             answer.text = "".join(tokens).strip()
@@ -134,23 +136,24 @@ class Rag:
     def stream(self, question: str, principal: Principal, collection: str | None = None,
                k: int | None = None) -> tuple[Answer, Iterator[str]]:
         """Retrieval now, then an iterator of answer text pieces (generation is lazy)."""
-        answer, tokens = self._prepare(question, principal, collection, k, True)
+        answer, tokens = self._prepare(question, principal, collection, k, True, None)
         assert tokens is not None
         return answer, tokens
 
     def _prepare(self, question: str, principal: Principal, collection: str | None,
-                 k: int | None, generate: bool) -> tuple[Answer, Iterator[str] | None]:
+                 k: int | None, generate: bool, rerank: bool | None,
+                 ) -> tuple[Answer, Iterator[str] | None]:
         question = (question or "").strip()
         if not question:
-            raise ConfigError("empty question: ask something, e.g. rag query \"Which GPU nodes can I use?\"")
+            raise ConfigError("empty question: ask something, e.g. `rag query \"Which GPU nodes can I use?\"`")
         k = k if k is not None else self.settings.top_k
         if not 1 <= k <= 100:
             raise ConfigError(f"k must be between 1 and 100, got {k}")
         total = time.perf_counter()
-        result = self.retriever(collection).retrieve(
-            question, principal, k=k, candidates=max(k, self.settings.candidates),
-            rerank=self.settings.rerank,
-        )
+        retriever = self.retriever(collection, rerank)
+        result = retriever.retrieve(question, principal, k=k,
+                                    candidates=max(k, self.settings.candidates),
+                                    rerank=retriever.reranker is not None)
         timings = dict(result.timings)
         answer = Answer(question=question, text=None, citations=[], hits=result.hits,
                         timings=timings)

@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
     embed_batch_size: int = Field(default=64, ge=1, le=4096)
     top_k: int = Field(default=5, ge=1, le=100, description="sources given to the generator")
-    candidates: int = Field(default=30, ge=1, le=1000, description="hits fetched before reranking")
+    candidates: int = Field(default=20, ge=1, le=1000, description="hits fetched before reranking")
     rerank: bool = True
     max_new_tokens: int = Field(default=160, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)

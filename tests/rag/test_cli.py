@@ -1,0 +1,101 @@
+"""The `rag` command as a user runs it: a real subprocess, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
+
+
+def _run(args, home: Path, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+    return subprocess.run(RAG + list(args), env=env, capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, model_cache):
+    home = tmp_path_factory.mktemp("cli-home")
+    (home / "models").symlink_to(model_cache, target_is_directory=True)
+    return home
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-corpus")
+    (root / "team").mkdir()
+    (root / "team" / ".rag-acl.toml").write_text('allow = ["group:team"]\n')
+    (root / "team" / "plan.md").write_text("# Plan\n\nThe team meets in room T-900 on Fridays.\n")
+    (root / "open.md").write_text("# Open\n\nThe cafeteria opens at 08:00 every weekday.\n")
+    (root / "broken.pdf").write_bytes(b"%PDF-1.4 this is not really a pdf")
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (root / "empty.md").write_text("")
+    (root / "bad.jsonl").write_text('{"id": "a", "text": "Record A is fine."}\n{not json\n')
+    return root
+
+
+def test_ingest_reports_bad_sources_and_goes_on(home, corpus):
+    r = _run(["ingest", str(corpus), "--json"], home)
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    reasons = {Path(p["source"].split(":")[0]).name: p["reason"] for p in out["problems"]}
+    assert set(reasons) == {"broken.pdf", "binary.txt", "empty.md", "bad.jsonl"}, reasons
+    assert "PDF" in reasons["broken.pdf"] and "empty" in reasons["empty.md"]
+    assert "binary" in reasons["binary.txt"] and "line 2" in reasons["bad.jsonl"]
+    assert out["added"] == 3  # plan.md, open.md, the good JSONL record
+    # Re-running changes nothing that was ingested and still reports the bad ones.
+    r2 = _run(["ingest", str(corpus), "--json"], home)
+    out2 = json.loads(r2.stdout)
+    assert r2.returncode == 1 and out2["unchanged"] == 3 and out2["chunks_written"] == 0
+
+
+def test_query_respects_groups(home, corpus):
+    _run(["ingest", str(corpus)], home)
+    assert _run(["users", "add", "tina", "--group", "team"], home).returncode == 0
+    assert _run(["users", "add", "otto"], home).returncode == 0
+    q = ["query", "Where does the team meet?", "--no-generate", "--json", "--k", "3"]
+    tina = json.loads(_run(q + ["--as", "tina"], home).stdout)
+    otto = json.loads(_run(q + ["--as", "otto"], home).stdout)
+    assert any("T-900" in c["text"] for c in tina["citations"])
+    assert not any("T-900" in c["text"] for c in otto["citations"])
+    assert set(tina["timings_ms"]) >= {"embed", "search", "rerank", "total"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ingest", "/no/such/path"], "path not found: /no/such/path"),
+    (["query", "hi", "--as", "otto", "--collection", "nope"], "unknown collection 'nope'"),
+    (["query", "hi", "--as", "nobody-at-all"], "unknown user 'nobody-at-all'"),
+    (["query", "  ", "--as", "otto"], "empty question"),
+    (["query", "hi", "--as", "otto", "--k", "0"], "k must be between 1 and 100"),
+])
+def test_bad_input_is_one_line_and_nonzero(home, corpus, args, message):
+    _run(["users", "add", "otto"], home)
+    r = _run(args, home)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and message in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_keys_create_list_revoke(home):
+    r = _run(["keys", "create", "--user", "kim", "--group", "team"], home)
+    key = r.stdout.strip()
+    assert r.returncode == 0 and key.startswith("rag_")
+    listing = _run(["keys", "list"], home).stdout
+    assert "kim" in listing and key not in listing
+    key_id = key.split("_")[1]
+    assert _run(["keys", "revoke", key_id], home).returncode == 0
+    assert "revoked" in _run(["keys", "list"], home).stdout
+
+
+def test_help_explains_commands(home):
+    r = _run(["--help"], home)
+    assert r.returncode == 0
+    for cmd in ["ingest", "query", "serve", "keys", "users", "collections"]:
+        assert cmd in r.stdout
