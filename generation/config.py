@@ -1,0 +1,149 @@
+"""ModelConfig: the architecture numbers our Llama implementation reads from a model folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rag.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, independent of the transformers version."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool = False
+    # rope_type and its parameters (factor, low_freq_factor, ...); {"rope_type": "default"} if none
+    rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    # EOS ids from config.json and generation_config.json (the tokenizer's is added by the LLM).
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; valid: {SUPPORTED_MODEL_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        rope_type = self.rope_scaling.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; valid: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one KV head (grouped-query attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> ModelConfig:
+        """Read config.json (and generation_config.json) through transformers' AutoConfig.
+
+        AutoConfig fills in the class defaults that config.json may omit (rms_norm_eps,
+        rope_theta, tie_word_embeddings, ...), which raw JSON would not.
+
+        Raises:
+            ModelError: the folder has no readable config or an architecture we do not implement.
+        """
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(str(model_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(
+                f"cannot read the model config in {model_dir}: {exc}. "
+                "Pass a Hugging Face model folder with a valid config.json."
+            ) from exc
+        if hf.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(
+                f"the model in {model_dir} is a {hf.model_type!r} model; this generator implements "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Use such a model, or serve this one through a "
+                "remote generator (vLLM, SGLang)."
+            )
+        if getattr(hf, "use_sliding_window", False):
+            logger.warning("%s: sliding-window attention is not implemented; attention is full", model_dir)
+        try:
+            return cls(
+                model_type=hf.model_type,
+                vocab_size=hf.vocab_size,
+                hidden_size=hf.hidden_size,
+                intermediate_size=hf.intermediate_size,
+                num_hidden_layers=hf.num_hidden_layers,
+                num_attention_heads=hf.num_attention_heads,
+                num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                rms_norm_eps=float(hf.rms_norm_eps),
+                max_position_embeddings=hf.max_position_embeddings,
+                rope_theta=_rope_theta(hf),
+                tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama only when attention_bias is set.
+                attention_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+                mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+                rope_scaling=_rope_scaling(hf),
+                eos_token_ids=tuple(_eos_ids(getattr(hf, "eos_token_id", None)) + _generation_eos_ids(model_dir)),
+            )
+        except ValueError as exc:
+            raise ModelError(
+                f"the model in {model_dir} cannot run on this generator: {exc}. "
+                "Use a Llama or Qwen2 architecture model, or serve it through a remote generator."
+            ) from exc
+
+
+def _rope_params(hf: Any) -> dict[str, Any]:
+    # transformers >= 5 keeps theta and scaling together in `rope_parameters`; 4.x has
+    # `rope_theta` plus an optional `rope_scaling` dict whose type key was once "type".
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def _rope_theta(hf: Any) -> float:
+    params = _rope_params(hf)
+    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def _rope_scaling(hf: Any) -> dict[str, Any]:
+    params = _rope_params(hf)
+    params.pop("rope_theta", None)
+    params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    return params
+
+
+def _eos_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _generation_eos_ids(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring unreadable %s: %s", path, exc)
+        return []
+    return _eos_ids(data.get("eos_token_id"))

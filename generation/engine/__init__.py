@@ -1,0 +1,1 @@
+"""The generation loop: request state, detokenisation and the batched model runner."""

@@ -1,0 +1,1 @@
+"""Model architectures implemented in plain torch."""

@@ -1,0 +1,224 @@
+"""The Llama architecture (also Qwen2, which adds q/k/v biases) in plain torch, with a KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from generation.config import ModelConfig
+from generation.layers.attention import AttentionMetadata, attention, causal_mask
+from generation.layers.norm import RMSNorm
+from generation.layers.rotary import RotaryEmbedding, apply_rotary
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [B, Hkv, T_max, D]
+
+# Checkpoint names that we load into one fused matrix: fewer, larger matmuls per layer, which
+# matters on CPU where per-op overhead dominates decode. Value: (fused name, shard index).
+PACKED_MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection, rotary embeddings and grouped KV heads."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = config.attention_bias and config.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, k, *rope)
+        out = attention(q, k, v, meta, kv_cache)  # [B, Hq, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block followed by a pre-norm MLP block, both residual."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One table per forward for all layers, instead of recomputing it in each layer.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCache | None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, meta, kv_caches[i] if kv_caches is not None else None)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; names match Hugging Face checkpoints except the fused projections."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def create_empty(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """A model with uninitialised parameters on `device`, ready for `load_weights`.
+
+        Built on the meta device first: random initialisation of weights that are about to be
+        overwritten costs seconds on CPU and memory on GPU.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        model.model.rotary_emb.reset_inv_freq()  # to_empty left it uninitialised, .to() cast it
+        return model.eval()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        meta: AttentionMetadata | None = None,
+        kv_caches: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [B, S, H] of input_ids [B, S].
+
+        Without `meta` this is a plain causal forward over unpadded rows (positions 0..S-1), the
+        form the parity tests compare against Hugging Face.
+        """
+        batch, seq_len = input_ids.shape
+        if positions is None:
+            positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+        if meta is None:
+            meta = AttentionMetadata(start=0, mask=causal_mask(batch, seq_len, input_ids.device))
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of hidden states [..., H]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing packed ones.
+
+        Raises:
+            KeyError: a checkpoint tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters the checkpoint did not provide.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # derived from the config, some old checkpoints store it
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the head is the embedding matrix
+            target, shard = self._param_name(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in this model")
+            param = params[target]
+            dest = param.data if shard is None else self._shard(target, param.data, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            params.pop("lm_head.weight", None)
+        missing = sorted(n for n in self._expected_names(params) if n not in loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"{len(missing)} weights missing from the checkpoint: {shown}")
+
+    @staticmethod
+    def _param_name(name: str) -> tuple[str, int | None]:
+        for ckpt_name, (fused, shard) in PACKED_MODULES.items():
+            if f".{ckpt_name}." in name:
+                return name.replace(ckpt_name, fused), shard
+        return name, None
+
+    def _shard(self, target: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+        # The rows of a fused matrix are [q | k | v] or [gate | up]; return the view of one part.
+        c = self.config
+        if ".qkv_proj." in target:
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            bounds = [0, q, q + kv, q + 2 * kv]
+        else:
+            bounds = [0, c.intermediate_size, 2 * c.intermediate_size]
+        return data[bounds[shard] : bounds[shard + 1]]
+
+    @staticmethod
+    def _expected_names(params: dict[str, nn.Parameter]) -> list[str]:
+        names = []
+        for name in params:
+            if ".qkv_proj." in name:
+                names += [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}#{i}" for i in range(2)]
+            else:
+                names.append(name)
+        return names
