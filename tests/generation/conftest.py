@@ -148,8 +148,9 @@ def byte_tok():
 
 
 @pytest.fixture(scope="session")
-def generator_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("generator-cache")
+def generator_cache(model_cache) -> Path:
+    # The session-wide model cache (tests/conftest.py): one conversion for all tests.
+    return model_cache
 
 
 @pytest.fixture(scope="session")

@@ -107,10 +107,10 @@ def test_rows_finishing_early_do_not_disturb_the_others(gen_pair, hf_refs):
 
 @pytest.mark.parametrize("variant", ["default", "llama3", "linear"])
 def test_rope_frequencies_match_hf(variant):
-    from conftest import tiny_hf_config  # noqa: I001 - tests/generation is on sys.path
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from generation.config import _rope_scaling, _rope_theta
+    from tests.generation.conftest import tiny_hf_config
 
     hf_config = tiny_hf_config(variant)
     ours = rope_inv_freq(16, _rope_theta(hf_config), _rope_scaling(hf_config))

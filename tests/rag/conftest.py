@@ -20,11 +20,6 @@ LAB_DOCS = REPO / "examples" / "lab-docs"
 DEMO_USERS = {"alice": ["genomics"], "bob": ["imaging"], "carol": ["hpc-admins"], "dave": []}
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("model-cache")
-
-
 def make_rag(home: Path, model_cache: Path, **overrides) -> Rag:
     home.mkdir(parents=True, exist_ok=True)
     link = home / "models"

@@ -50,8 +50,8 @@ MIN_CORRELATION = 0.999
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("rerank-cache")
+def cache_dir(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="session")
