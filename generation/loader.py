@@ -19,6 +19,7 @@ import torch
 
 from generation.config import ModelConfig
 from generation.models.llama import LlamaForCausalLM
+from rag.atomic import publish_dir
 from rag.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -179,19 +180,7 @@ def _remove_stale_tmp(root: Path, name: str) -> None:
 
 
 def _publish(tmp: Path, target: Path, source_info: dict[str, object]) -> None:
-    # An outdated or markerless folder is moved aside first: rename() cannot replace a
-    # non-empty directory. Losing the race to another process converting the same file is fine.
-    if target.exists():
-        if _is_complete(target, source_info):
-            return
-        old = target.with_name(f".old-{target.name}-{os.getpid()}")
-        os.replace(target, old)
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        if not _is_complete(target, source_info):
-            raise
+    publish_dir(tmp, target, lambda t: _is_complete(t, source_info))
 
 
 @contextlib.contextmanager

@@ -1,10 +1,13 @@
-"""Protocols of the retrieval layer: vector stores that filter inside the search."""
+"""Protocols of the retrieval layer: vector stores that filter inside the search, rerankers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+
+from rag.types import Hit
 
 
 class VectorStore(Protocol):
@@ -29,4 +32,12 @@ class VectorStore(Protocol):
         ...
 
     def count(self) -> int:
+        ...
+
+
+class Reranker(Protocol):
+    """Reorders retrieved hits by relevance to the query."""
+
+    def rerank(self, query: str, hits: Sequence[Hit], top_n: int | None = None) -> list[Hit]:
+        """New hits with the reranker's score, best first; at most top_n when given."""
         ...

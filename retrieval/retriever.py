@@ -15,7 +15,7 @@ from rag.types import Hit
 from retrieval.index import CollectionIndex
 
 if TYPE_CHECKING:
-    from retrieval.rerank import Reranker
+    from retrieval.base import Reranker
 
 
 @dataclass

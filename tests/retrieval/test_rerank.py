@@ -12,14 +12,13 @@ import pytest
 
 from rag.errors import ConfigError, ModelError
 from rag.types import Hit
-from retrieval.rerank import (
+from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
+from retrieval.reranker_convert import (
     DEFAULT_RERANKER_NAME,
     MARKER_FILE,
-    CrossEncoderReranker,
     _is_converted,
     convert_onnx_reranker,
     packaged_reranker_onnx,
-    resolve_reranker_dir,
 )
 
 # Belt and braces: the code loads with local_files_only, and a test must never reach a hub.
