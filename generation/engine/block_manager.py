@@ -1,0 +1,254 @@
+"""BlockManager: the paged KV block pool (reference counts, free list) over the prefix cache."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from generation.engine.prefix_cache import PrefixCache, hash_block
+from generation.engine.seq_state import SeqState
+
+
+class BlockManager:
+    """Hands out physical KV blocks to sequences and shares full blocks through the prefix cache.
+
+    Every block is in exactly one state: free (no KV worth keeping), referenced by one or more
+    block tables, or evictable (unreferenced but still cached and hit-able). New blocks come from
+    the free list first, then by evicting the least recently released evictable block.
+
+    Args:
+        num_blocks: blocks in the KV cache (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_prefix_cache: share full blocks between sequences of the same namespace.
+
+    Raises:
+        ValueError: num_blocks or block_size < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cache: PrefixCache | None = PrefixCache() if enable_prefix_cache else None
+        # Sequences holding blocks, and how many of their leading blocks are published (or were hits).
+        self._seqs: dict[int, SeqState] = {}
+        self._num_published: dict[int, int] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation can take: free ones plus evictable cached ones."""
+        evictable = self._cache.num_evictable_blocks if self._cache is not None else 0
+        return len(self._free) + evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._cache.num_cached_blocks if self._cache is not None else 0
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of looked-up tokens whose KV came from the cache."""
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def match_prefix(self, seq: SeqState) -> int:
+        """Tokens that `allocate(seq)` would take from the cache right now (no side effects)."""
+        return len(self._match(seq)) * self.block_size
+
+    def can_allocate(self, seq: SeqState) -> bool:
+        return self._blocks_to_take(seq, self._match(seq)) <= self.num_free_blocks
+
+    def allocate(self, seq: SeqState) -> None:
+        """Give seq blocks for all its current tokens, reusing the longest cached run of leading blocks.
+
+        Sets `seq.num_cached_tokens` and `seq.num_computed_tokens` to the tokens served from the cache.
+        """
+        assert seq.seq_id not in self._seqs and not seq.block_table, f"{seq} already holds blocks"
+        hits = self._match(seq)
+        assert self._blocks_to_take(seq, hits) <= self.num_free_blocks, f"not enough free blocks for {seq}"
+        # Take the hits out of the evictable pool before taking new blocks, so that eviction below
+        # cannot hand out a block this sequence is about to reuse.
+        for block_id in hits:
+            self._incref(block_id)
+        new_blocks = [self._take_block() for _ in range(seq.num_blocks(self.block_size) - len(hits))]
+        seq.block_table = hits + new_blocks
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self._seqs[seq.seq_id] = seq
+        self._num_published[seq.seq_id] = len(hits)
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_cached_tokens
+
+    def blocks_needed(self, seq: SeqState, num_tokens: int) -> int:
+        """New blocks seq needs so that its table holds the first num_tokens tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def ensure_capacity(self, seq: SeqState, num_tokens: int) -> bool:
+        """Grow seq's table to hold num_tokens tokens; False (and no change) if the pool is short."""
+        assert seq.seq_id in self._seqs, f"{seq} holds no blocks: allocate it first"
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            block_id = self._take_block()
+            seq.block_table.append(block_id)
+        return True
+
+    def can_append(self, seq: SeqState) -> bool:
+        """Whether seq can get blocks for all its current tokens (the one a decode step writes)."""
+        return self.blocks_needed(seq, seq.num_tokens) <= self.num_free_blocks
+
+    def may_append(self, seq: SeqState) -> None:
+        """Give seq blocks for all its current tokens; call after `can_append` said yes."""
+        grown = self.ensure_capacity(seq, seq.num_tokens)
+        assert grown, f"no free block for {seq}: check can_append first"
+
+    def register_full_blocks(self, seq: SeqState) -> None:
+        """Publish seq's blocks that became full of computed KV, so later requests can hit them."""
+        if self._cache is None:
+            return
+        start = self._num_published[seq.seq_id]
+        end = seq.num_computed_tokens // self.block_size
+        for i in range(start, end):
+            # insert() refuses a hash that another block already serves; this copy stays private.
+            self._cache.insert(
+                seq.block_table[i],
+                self._block_hash(seq, i),
+                seq.namespace,
+                seq.block_hashes[i - 1] if i else None,
+                seq.block_tokens(i, self.block_size),
+            )
+        self._num_published[seq.seq_id] = max(start, end)
+
+    def deallocate(self, seq: SeqState) -> None:
+        """Release seq's blocks; its KV is gone from its point of view (num_computed_tokens = 0)."""
+        owner = self._seqs.pop(seq.seq_id, None)
+        assert owner is seq, f"{seq} holds no blocks"
+        del self._num_published[seq.seq_id]
+        # Last block first: the LRU pool then evicts a chain's tail before its head, and a head
+        # alone still serves hits while a tail without its head never can.
+        for block_id in reversed(seq.block_table):
+            self._ref_counts[block_id] -= 1
+            assert self._ref_counts[block_id] >= 0
+            if self._ref_counts[block_id] == 0:
+                if self._cache is not None and self._cache.is_cached(block_id):
+                    self._cache.release(block_id)
+                else:
+                    self._free.append(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence references; returns how many were dropped.
+
+        Blocks in use keep their entries: their KV is still valid for the sequences using them.
+        """
+        if self._cache is None:
+            return 0
+        dropped = self._cache.clear_evictable()
+        self._free.extend(dropped)
+        return len(dropped)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent (for tests)."""
+        cache = self._cache
+        references = Counter(b for seq in self._seqs.values() for b in seq.block_table)
+        free = set(self._free)
+        evictable = set(cache.evictable_blocks()) if cache is not None else set()
+        _check(len(free) == len(self._free), "a block is on the free list twice")
+        _check(not free & evictable, f"blocks both free and evictable: {sorted(free & evictable)}")
+        for block_id in range(self.num_blocks):
+            refs = self._ref_counts[block_id]
+            _check(refs == references[block_id], f"block {block_id} has ref {refs}, {references[block_id]} tables")
+            in_pools = (block_id in free) + (block_id in evictable)
+            _check(in_pools == (refs == 0), f"block {block_id} (ref {refs}) is in {in_pools} pools")
+            _check(not (block_id in free and cache is not None and cache.is_cached(block_id)), "free block cached")
+        for seq_id, seq in self._seqs.items():
+            _check(seq.seq_id == seq_id, f"{seq} filed under id {seq_id}")
+            _check(len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq} computed past its table")
+            _check(len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice")
+        if cache is None:
+            return
+        cache.check_invariants()
+        for seq in self._seqs.values():
+            for i in range(self._num_published[seq.seq_id]):
+                entry = cache.entry(seq.block_table[i])
+                if entry is not None:
+                    # A shared block must hold exactly this sequence's tokens, prefix and namespace.
+                    _check(entry.block_hash == seq.block_hashes[i], f"{seq} block {i} is cached under another hash")
+                    _check(entry.namespace == seq.namespace, f"{seq} shares block {i} across namespaces")
+            for i in range(self._num_published[seq.seq_id], len(seq.block_table)):
+                _check(not cache.is_cached(seq.block_table[i]), f"{seq} block {i} is cached before it is computed")
+
+    def _match(self, seq: SeqState) -> list[int]:
+        """Physical blocks of the longest cached run of seq's leading full blocks."""
+        if self._cache is None:
+            return []
+        # At least one token must be computed to produce logits, so the block holding the last
+        # token is never taken from the cache, even when it is full and cached.
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._cache.lookup(
+                self._block_hash(seq, i),
+                seq.namespace,
+                seq.block_hashes[i - 1] if i else None,
+                seq.block_tokens(i, self.block_size),
+            )
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _blocks_to_take(self, seq: SeqState, hits: list[int]) -> int:
+        # Hits that sit in the evictable pool are counted in num_free_blocks, so they use up free
+        # capacity just like new blocks; hits already referenced cost nothing.
+        evictable_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
+        return seq.num_blocks(self.block_size) - len(hits) + evictable_hits
+
+    def _block_hash(self, seq: SeqState, i: int) -> bytes:
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            j = len(hashes)
+            tokens = seq.block_tokens(j, self.block_size)
+            assert len(tokens) == self.block_size, "only full blocks have a hash"
+            hashes.append(hash_block(seq.namespace, hashes[j - 1] if j else None, tokens))
+        return hashes[i]
+
+    def _incref(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            assert self._cache is not None
+            self._cache.acquire(block_id)
+        self._ref_counts[block_id] += 1
+
+    def _take_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            evicted = self._cache.evict() if self._cache is not None else None
+            assert evicted is not None, "no free or evictable block"
+            block_id = evicted
+        assert self._ref_counts[block_id] == 0
+        self._ref_counts[block_id] = 1
+        return block_id
+
+
+def _check(condition: bool, message: str) -> None:
+    # Not `assert`: tests call check_invariants and must not lose it under `python -O`.
+    if not condition:
+        raise AssertionError(message)

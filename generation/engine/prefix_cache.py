@@ -1,0 +1,158 @@
+"""PrefixCache: full KV blocks published under a namespaced hash chain, with LRU eviction."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HASH_SIZE = 32  # bytes of blake2b; wide enough that a collision is not a practical concern
+
+
+def hash_block(namespace: str | None, parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Hash of one full block: its namespace, the hash of the block before it and its token ids.
+
+    Chaining the parent's hash makes equal hashes mean equal content *and* equal prefix, which is
+    what makes the KV reusable (attention at every position depends on all earlier tokens).
+    The encoding is unambiguous: None and "" namespaces differ, and so do "no parent" and a parent.
+    """
+    h = hashlib.blake2b(digest_size=HASH_SIZE)
+    if namespace is None:
+        h.update(b"\x00")
+    else:
+        encoded = namespace.encode("utf-8")
+        h.update(b"\x01" + struct.pack("<Q", len(encoded)) + encoded)
+    h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash)
+    # Little-endian int64 so the hash does not depend on the machine; the tokens run to the end.
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """What a published block holds, kept so that a hit is checked exactly, not trusted to the hash."""
+
+    block_id: int
+    block_hash: bytes
+    namespace: str | None
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class PrefixCache:
+    """Maps block hashes to physical blocks, and keeps unreferenced cached blocks in an LRU pool.
+
+    The block manager owns reference counts; this class only learns when a cached block stops
+    being referenced (`release`) or is referenced again (`acquire`). A released block keeps its
+    KV and stays hit-able until `evict` hands it out for new content.
+    """
+
+    def __init__(self) -> None:
+        self._by_hash: dict[bytes, CachedBlock] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        # Cached blocks with no reference, oldest release first (the next to evict).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_block)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    def lookup(
+        self, block_hash: bytes, namespace: str | None, parent_hash: bytes | None, token_ids: Sequence[int]
+    ) -> int | None:
+        """The physical block holding exactly this block, or None."""
+        entry = self._by_hash.get(block_hash)
+        if entry is None:
+            return None
+        # Namespaces are a security boundary: compare them (and the content) exactly, never only
+        # through the hash.
+        if entry.namespace != namespace or entry.parent_hash != parent_hash or entry.token_ids != tuple(token_ids):
+            return None
+        return entry.block_id
+
+    def insert(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        namespace: str | None,
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+    ) -> bool:
+        """Publish a referenced block whose KV is computed; False if the hash already has a block.
+
+        A duplicate (two requests computed the same block at once) stays private and is freed
+        normally: the first published copy serves later hits.
+        """
+        assert block_id not in self._by_block, f"block {block_id} is already cached"
+        if block_hash in self._by_hash:
+            return False
+        entry = CachedBlock(block_id, block_hash, namespace, parent_hash, tuple(token_ids))
+        self._by_hash[block_hash] = entry
+        self._by_block[block_id] = entry
+        return True
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._by_block
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def entry(self, block_id: int) -> CachedBlock | None:
+        return self._by_block.get(block_id)
+
+    def release(self, block_id: int) -> None:
+        """A cached block lost its last reference: it becomes the most recently used evictable one."""
+        assert block_id in self._by_block and block_id not in self._evictable
+        self._evictable[block_id] = None
+
+    def acquire(self, block_id: int) -> None:
+        """An evictable block was hit: it is referenced again and must not be evicted."""
+        del self._evictable[block_id]
+
+    def evict(self) -> int | None:
+        """Drop the least recently released block's entry and return its id (None if none)."""
+        if not self._evictable:
+            return None
+        block_id, _ = self._evictable.popitem(last=False)
+        self._drop(block_id)
+        return block_id
+
+    def clear_evictable(self) -> list[int]:
+        """Drop every unreferenced block's entry; returns their ids for the free list."""
+        block_ids = list(self._evictable)
+        self._evictable.clear()
+        for block_id in block_ids:
+            self._drop(block_id)
+        return block_ids
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        return list(self._by_block.values())
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable block ids, next to evict first."""
+        return list(self._evictable)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the two maps or the LRU pool disagree."""
+        _check(len(self._by_hash) == len(self._by_block), "hash map and block map differ in size")
+        for block_hash, entry in self._by_hash.items():
+            _check(entry.block_hash == block_hash, f"block {entry.block_id} is filed under another hash")
+            _check(self._by_block.get(entry.block_id) is entry, f"block {entry.block_id} missing from block map")
+        for block_id in self._evictable:
+            _check(block_id in self._by_block, f"evictable block {block_id} is not cached")
+
+    def _drop(self, block_id: int) -> None:
+        entry = self._by_block.pop(block_id)
+        del self._by_hash[entry.block_hash]
+
+
+def _check(condition: bool, message: str) -> None:
+    # Not `assert`: tests call the checks and must not lose them under `python -O`.
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,304 @@
+"""Scheduler: continuous batching with chunked prefill and recompute preemption over a BlockManager."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from generation.engine.block_manager import BlockManager
+from generation.engine.seq_state import SeqState, SeqStatus
+from rag.errors import GenerationError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    Args:
+        max_num_seqs: most sequences holding KV blocks at once. Range >= 1.
+        max_num_batched_tokens: most tokens fed to the model in one step (prefill chunks plus one
+            per decode). Range >= max_num_seqs, so that every running decode fits in a step, and
+            >= max_model_len without chunked prefill, so that every prompt fits in a step.
+        max_model_len: most tokens (prompt + output) of one sequence. Range >= 2.
+        block_size: tokens per KV block; must equal the KV cache's and the block manager's. Range >= 1.
+        enable_chunked_prefill: split prompts longer than the step's remaining budget over steps.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}) so that every "
+                f"running sequence can decode in one step, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (16 is usual), got {self.block_size}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens must be >= max_model_len ({self.max_model_len}) "
+                f"so that the longest prompt fits in one step, got {self.max_num_batched_tokens}; "
+                "raise it or enable chunked prefill"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledEntry:
+    """One sequence's share of a step: tokens start_pos..start_pos+num_new_tokens-1 are fed."""
+
+    seq: SeqState
+    num_new_tokens: int
+    start_pos: int
+    # True when the entry feeds the sequence's last pending token: the model samples one token for it.
+    # A chunk that stops inside the prompt samples nothing.
+    samples: bool
+
+    @property
+    def is_decode(self) -> bool:
+        """One token that completes the sequence (query length 1); everything else is prefill."""
+        return self.num_new_tokens == 1 and self.samples
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """What the model runs in one step, in order: decodes first, then prefill chunks."""
+
+    entries: list[ScheduledEntry]
+    # Sequences preempted while building this step; they wait for recompute.
+    preempted: list[SeqState] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries if not e.is_decode)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for e in self.entries if e.is_decode)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def sampling_entries(self) -> list[ScheduledEntry]:
+        return [e for e in self.entries if e.samples]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+
+class Scheduler:
+    """Decides each step which sequences run and how many tokens each feeds.
+
+    Sequences are admitted first come, first served; the head of the queue that does not fit
+    blocks those behind it, so a long prompt is not starved by short ones. When blocks run out,
+    the most recently arrived running sequence is preempted: its blocks are released and it
+    recomputes prompt + output later (often mostly from the prefix cache).
+
+    Args:
+        config: step limits.
+        block_manager: the KV block pool; its block_size must equal config.block_size.
+
+    Raises:
+        ValueError: the block sizes differ.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if block_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block manager block_size {block_manager.block_size} != scheduler block_size {config.block_size}"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SeqState] = deque()
+        # Sorted by arrival, so the last one is the first to preempt.
+        self.running: list[SeqState] = []
+        self._seqs: dict[int, SeqState] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: SeqState) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: the prompt leaves no room for an output token within max_model_len, does
+                not fit in the whole KV pool, or seq was already added or has run.
+        """
+        if seq.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {seq.num_tokens} tokens but max_model_len is {self.config.max_model_len} "
+                "(prompt + at least one output token): shorten the prompt"
+            )
+        pool_tokens = self.block_manager.num_blocks * self.config.block_size
+        if seq.num_tokens > pool_tokens:
+            raise ValueError(
+                f"the prompt has {seq.num_tokens} tokens but the whole KV cache holds {pool_tokens}: "
+                "shorten the prompt or give the engine more KV cache memory"
+            )
+        if seq.seq_id in self._seqs or seq.status is not SeqStatus.WAITING or seq.block_table:
+            raise ValueError(f"{seq} was already added to a scheduler")
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a request wherever it is and release its blocks; False if it is unknown or done."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        """Build the next step: running decodes, running prefill chunks, then newly admitted prompts.
+
+        Raises:
+            GenerationError: a sequence needs more KV blocks than the whole pool has.
+        """
+        budget = self.config.max_num_batched_tokens
+        entries: list[ScheduledEntry] = []
+        scheduled: set[int] = set()
+        preempted: list[SeqState] = []
+
+        # Decodes first: they hold KV already and each costs one token, so they never starve.
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending_tokens != 1:
+                continue
+            if not self._reserve_next_block(seq, scheduled, preempted):
+                continue  # seq preempted itself
+            entries.append(ScheduledEntry(seq, 1, seq.num_computed_tokens, samples=True))
+            scheduled.add(seq.seq_id)
+            budget -= 1
+
+        # Prompts already admitted: their blocks were allocated in full at admission.
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled:
+                continue
+            entries.append(self._prefill_entry(seq, budget))
+            scheduled.add(seq.seq_id)
+            budget -= entries[-1].num_new_tokens
+
+        # Admitting after a preemption would take back the blocks just freed and thrash.
+        if not preempted:
+            self._admit(entries, budget)
+        return ScheduledBatch(entries, preempted)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[SeqState]:
+        """Account for a step the model ran; returns the sequences that finished and were freed.
+
+        Args:
+            batch: the step as `schedule` returned it.
+            sampled: seq_id -> token sampled for each entry with `samples` set. The caller's stop
+                logic marks `seq.finished` beforehand; max_tokens and max_model_len are checked here.
+
+        Raises:
+            ValueError: a sampling entry has no token in `sampled`.
+        """
+        finished: list[SeqState] = []
+        for entry in batch.entries:
+            seq = entry.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted between schedule and postprocess
+            assert seq.num_computed_tokens == entry.start_pos, f"{seq} moved since it was scheduled"
+            seq.num_computed_tokens += entry.num_new_tokens
+            if entry.samples:
+                if seq.seq_id not in sampled:
+                    raise ValueError(f"no sampled token for sequence {seq.seq_id}, which sampled this step")
+                seq.append_token(sampled[seq.seq_id])
+            self.block_manager.register_full_blocks(seq)
+            if seq.finished or seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                self._finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _reserve_next_block(self, seq: SeqState, scheduled: set[int], preempted: list[SeqState]) -> bool:
+        """Make room for seq's pending token, preempting newer sequences; False if seq itself went."""
+        manager = self.block_manager
+        while not manager.can_append(seq):
+            self._check_fits_pool(seq)
+            # The newest running sequence not already in this step (seq itself at the latest).
+            victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        manager.may_append(seq)
+        return True
+
+    def _prefill_entry(self, seq: SeqState, budget: int) -> ScheduledEntry:
+        pending = seq.num_pending_tokens
+        num_new = min(pending, budget)
+        return ScheduledEntry(seq, num_new, seq.num_computed_tokens, samples=num_new == pending)
+
+    def _admit(self, entries: list[ScheduledEntry], budget: int) -> None:
+        manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self._check_fits_pool(seq)
+            if not manager.can_allocate(seq):
+                break
+            pending = seq.num_tokens - manager.match_prefix(seq)
+            if pending > budget and not self.config.enable_chunked_prefill:
+                break  # waits for a step where the whole prompt fits
+            manager.allocate(seq)
+            assert seq.num_pending_tokens == pending
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival_order)
+            entries.append(self._prefill_entry(seq, budget))
+            budget -= entries[-1].num_new_tokens
+
+    def _check_fits_pool(self, seq: SeqState) -> None:
+        needed = seq.num_blocks(self.config.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise GenerationError(
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens and needs {needed} KV blocks, but the "
+                f"whole cache has {self.block_manager.num_blocks}: give the engine more KV cache memory or "
+                "lower max_model_len / max_tokens"
+            )
+
+    def _preempt(self, seq: SeqState) -> None:
+        # Recompute, not swap: the KV is dropped and prompt + output so far are fed again later.
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SeqStatus.WAITING
+        # Front of the queue: it arrived before everything still waiting.
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: SeqState) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finished = True
+        del self._seqs[seq.seq_id]
+
+
+def _arrival_order(seq: SeqState) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id

@@ -1,0 +1,107 @@
+"""SeqState: the scheduler's and block manager's view of one request (tokens, KV blocks, progress)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from enum import Enum
+
+# Process-wide ids: one engine may hold requests created by several callers.
+_seq_ids = itertools.count()
+
+
+class SeqStatus(Enum):
+    """Where a sequence is: queued for (re)admission, holding KV blocks, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SeqState:
+    """Token ids, KV block table and progress counters of one request; no torch, no text.
+
+    Args:
+        prompt_token_ids: the prompt, at least one token.
+        max_tokens: most tokens to generate (>= 1); the scheduler finishes the sequence there.
+        namespace: cache domain (tenant, permission domain); KV blocks are shared only between
+            sequences of the same namespace, and None is a namespace of its own.
+        arrival_time: orders admission and preemption; `time.monotonic()` when not given.
+
+    Raises:
+        ValueError: empty prompt, or max_tokens < 1.
+    """
+
+    def __init__(
+        self,
+        prompt_token_ids: Iterable[int],
+        max_tokens: int,
+        namespace: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.token_ids: list[int] = list(prompt_token_ids)
+        if not self.token_ids:
+            raise ValueError("a prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.seq_id: int = next(_seq_ids)
+        self.num_prompt_tokens: int = len(self.token_ids)
+        self.max_tokens = max_tokens
+        self.namespace = namespace
+        self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SeqStatus.WAITING
+        # Set by the caller's stop logic (EOS, stop strings); the scheduler frees the sequence then.
+        self.finished = False
+        # Physical KV block ids; token at position p lives in slot block_table[p // bs] * bs + p % bs.
+        self.block_table: list[int] = []
+        # Leading tokens whose KV is in the cache; the rest are fed to the model in later steps.
+        self.num_computed_tokens = 0
+        # Leading tokens whose KV came from the prefix cache at the last allocation.
+        self.num_cached_tokens = 0
+        # Hash chain of the full blocks, filled lazily by the block manager. Tokens are append-only,
+        # so the hashes stay valid across preemption and need computing once per sequence.
+        self.block_hashes: list[bytes] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"SeqState(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not computed yet: the rest of the prompt, or the last sampled token."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold all current tokens."""
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def last_block_num_tokens(self, block_size: int) -> int:
+        """Tokens in the last (possibly partial) block, 1..block_size."""
+        return len(self.token_ids) - (self.num_blocks(block_size) - 1) * block_size
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        """Token ids of logical block i (shorter than block_size for a partial last block)."""
+        return self.token_ids[i * block_size : (i + 1) * block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def slot_mapping(self, start: int, end: int, block_size: int) -> list[int]:
+        """KV cache slots (block_id * block_size + offset) of positions start..end-1."""
+        table = self.block_table
+        return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

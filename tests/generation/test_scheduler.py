@@ -1,0 +1,399 @@
+"""Scheduler: continuous batching, token budget, chunked prefill, preemption, abort, torch-free core."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from generation.engine.block_manager import BlockManager
+from generation.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from generation.engine.seq_state import SeqState, SeqStatus
+from rag.errors import GenerationError
+
+ROOT = Path(__file__).resolve().parents[2]
+BS = 4
+VOCAB = 16
+STOP = 0  # the fake caller's stop token
+
+
+def next_token(seq: SeqState, upto: int) -> int:
+    """The fake model's pick after the first `upto` tokens: depends on the whole context.
+
+    blake2b, not hash(): str hashes change between processes, and the tests must not.
+    """
+    context = repr((seq.namespace, seq.token_ids[:upto])).encode()
+    return hashlib.blake2b(context, digest_size=4).digest()[0] % VOCAB
+
+
+def reference_output(
+    prompt: list[int], namespace: str | None, max_tokens: int, max_model_len: int, stop: bool = False
+) -> list[int]:
+    """What any schedule must produce for this request: the fake model's tokens until it finishes."""
+    seq = SeqState(prompt, max_tokens=max_tokens, namespace=namespace)
+    while True:
+        token = next_token(seq, seq.num_tokens)
+        seq.append_token(token)
+        if (stop and token == STOP) or seq.num_output_tokens >= max_tokens or seq.num_tokens >= max_model_len:
+            return seq.output_token_ids
+
+
+class FakeRunner:
+    """Stands in for the model runner: checks the KV it attends to and writes the KV it computes.
+
+    Each slot gets a fingerprint of (namespace, context up to that token), so a wrong block
+    table, a bad prefix-cache hit or a write into a shared block shows up as a mismatch.
+    """
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.kv: dict[int, int] = {}
+
+    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+        sampled = {}
+        for entry in batch.entries:
+            seq, start, end = entry.seq, entry.start_pos, entry.start_pos + entry.num_new_tokens
+            assert start == seq.num_computed_tokens and end <= seq.num_tokens
+            assert len(seq.block_table) * BS >= end, "scheduled tokens without blocks"
+            for pos, slot in enumerate(seq.slot_mapping(0, start, BS)):
+                assert self.kv[slot] == self._print(seq, pos), f"{seq} attends to foreign KV at {pos}"
+            for pos, slot in enumerate(seq.slot_mapping(start, end, BS), start):
+                assert self.bm.ref_count(seq.block_table[pos // BS]) == 1, "wrote into a shared block"
+                self.kv[slot] = self._print(seq, pos)
+            assert entry.samples == (end == seq.num_tokens)
+            if entry.samples:
+                sampled[seq.seq_id] = next_token(seq, end)
+        return sampled
+
+    @staticmethod
+    def _print(seq: SeqState, pos: int) -> int:
+        return hash((seq.namespace, tuple(seq.token_ids[: pos + 1])))
+
+
+def make(num_blocks: int = 64, prefix_cache: bool = True, **config: int | bool) -> tuple[Scheduler, FakeRunner]:
+    defaults = {"block_size": BS, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64}
+    cfg = SchedulerConfig(**{**defaults, **config})
+    bm = BlockManager(num_blocks, BS, enable_prefix_cache=prefix_cache)
+    return Scheduler(cfg, bm), FakeRunner(bm)
+
+
+def step(sched: Scheduler, runner: FakeRunner, stop: bool = False) -> tuple[ScheduledBatch, list[SeqState]]:
+    """One engine step; with `stop`, the caller finishes a sequence that samples STOP."""
+    batch = sched.schedule()
+    assert batch.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert sched.num_running <= sched.config.max_num_seqs
+    sampled = runner.run(batch)
+    for entry in batch.sampling_entries:
+        if stop and sampled[entry.seq.seq_id] == STOP:
+            entry.seq.finished = True  # the engine's stop logic
+    finished = sched.postprocess(batch, sampled)
+    sched.block_manager.check_invariants()
+    return batch, finished
+
+
+def run_to_completion(sched: Scheduler, runner: FakeRunner, stop: bool = False) -> int:
+    steps = 0
+    while sched.has_unfinished():
+        step(sched, runner, stop)
+        steps += 1
+        assert steps < 10_000, "the scheduler stopped making progress"
+    return steps
+
+
+def shape(batch: ScheduledBatch) -> list[tuple[int, int, int, bool]]:
+    return [(e.seq.seq_id, e.num_new_tokens, e.start_pos, e.samples) for e in batch.entries]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "max_num_batched_tokens"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"block_size": 0}, "block_size"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 512}, "chunked prefill"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, int | bool], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**kwargs)
+
+
+def test_block_sizes_must_agree() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(SchedulerConfig(block_size=16), BlockManager(8, 8))
+
+
+def test_add_rejects_impossible_and_repeated_requests() -> None:
+    sched, _ = make(num_blocks=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(SeqState(range(32), max_tokens=4))
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add(SeqState(range(17), max_tokens=4))
+    seq = SeqState(range(16), max_tokens=4)
+    sched.add(seq)
+    with pytest.raises(ValueError, match="already"):
+        sched.add(seq)
+
+
+def test_new_requests_join_while_others_decode() -> None:
+    sched, runner = make()
+    a = SeqState(range(1, 7), max_tokens=50, arrival_time=0)
+    sched.add(a)
+    assert shape(step(sched, runner)[0]) == [(a.seq_id, 6, 0, True)]
+    step(sched, runner)
+    b = SeqState(range(20, 30), max_tokens=50, arrival_time=1)
+    sched.add(b)
+    batch, _ = step(sched, runner)
+    assert shape(batch) == [(a.seq_id, 1, 7, True), (b.seq_id, 10, 0, True)]
+    assert (batch.num_decode_tokens, batch.num_prefill_tokens) == (1, 10)
+    batch, _ = step(sched, runner)
+    assert shape(batch) == [(a.seq_id, 1, 8, True), (b.seq_id, 1, 10, True)]
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
+    sched, runner = make(max_num_batched_tokens=8, max_num_seqs=4)
+    a = SeqState([1, 2], max_tokens=50, arrival_time=0)
+    sched.add(a)
+    step(sched, runner)
+    b = SeqState(range(1, 21), max_tokens=50, arrival_time=1)
+    sched.add(b)
+    shapes = [shape(step(sched, runner)[0]) for _ in range(4)]
+    assert shapes == [
+        [(a.seq_id, 1, 2, True), (b.seq_id, 7, 0, False)],
+        [(a.seq_id, 1, 3, True), (b.seq_id, 7, 7, False)],
+        [(a.seq_id, 1, 4, True), (b.seq_id, 6, 14, True)],
+        [(a.seq_id, 1, 5, True), (b.seq_id, 1, 20, True)],
+    ]
+    assert b.output_token_ids == reference_output(list(range(1, 21)), None, 50, 64)[:2]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits() -> None:
+    sched, runner = make(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    a = SeqState([1, 2], max_tokens=3, arrival_time=0)
+    b = SeqState(range(1, 16), max_tokens=3, arrival_time=1)
+    sched.add(a)
+    step(sched, runner)
+    sched.add(b)
+    batch, _ = step(sched, runner)  # 1 decode token + 15 prompt tokens = 16: fits
+    assert shape(batch) == [(a.seq_id, 1, 2, True), (b.seq_id, 15, 0, True)]
+
+    sched, runner = make(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    a, c = SeqState([1, 2], max_tokens=3, arrival_time=0), SeqState([3, 4], max_tokens=3, arrival_time=0)
+    b = SeqState(range(1, 16), max_tokens=3, arrival_time=1)
+    sched.add(a)
+    sched.add(c)
+    step(sched, runner)
+    sched.add(b)
+    batch, _ = step(sched, runner)  # 2 decodes leave 14 tokens: b waits whole, not in chunks
+    assert [e.seq for e in batch.entries] == [a, c] and b.status is SeqStatus.WAITING
+    run_to_completion(sched, runner)
+    assert b.output_token_ids == reference_output(list(range(1, 16)), None, 3, 16)
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    sched, runner = make(max_num_seqs=2)
+    seqs = [SeqState([i + 1, i + 2], max_tokens=3, arrival_time=i) for i in range(5)]
+    for seq in seqs:
+        sched.add(seq)
+    batch, _ = step(sched, runner)
+    assert [e.seq for e in batch.entries] == seqs[:2] and sched.num_waiting == 3
+    peak = 0
+    while sched.has_unfinished():
+        step(sched, runner)
+        peak = max(peak, sched.num_running)
+    assert peak == 2
+    assert all(s.status is SeqStatus.FINISHED for s in seqs)
+
+
+def test_prefix_hits_skip_prompt_tokens() -> None:
+    sched, runner = make()
+    doc = list(range(1, 13))
+    first = SeqState([*doc, 13], max_tokens=1, arrival_time=0)
+    sched.add(first)
+    run_to_completion(sched, runner)
+    second = SeqState([*doc, 14, 15], max_tokens=2, arrival_time=1)
+    sched.add(second)
+    batch, _ = step(sched, runner)
+    assert shape(batch) == [(second.seq_id, 2, 12, True)]
+    assert second.num_cached_tokens == 12
+    run_to_completion(sched, runner)
+    assert second.output_token_ids == reference_output([*doc, 14, 15], None, 2, 64)
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later() -> None:
+    # 6 blocks of 4 tokens; three requests of 2 blocks fill the pool, then the oldest grows.
+    sched, runner = make(num_blocks=6, prefix_cache=False)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [2, 4, 6, 8, 10, 12, 14]]
+    seqs = [SeqState(p, max_tokens=6, arrival_time=i) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    step(sched, runner)  # all three prefilled: 6 blocks in use, 8th token of each sampled
+    step(sched, runner)  # the 8th tokens still fit in the second blocks
+    assert sched.block_manager.num_free_blocks == 0
+    batch, _ = step(sched, runner)  # each now needs a third block for its 9th token: the newest go
+    newest = seqs[2]
+    assert batch.preempted == [newest]  # its 2 blocks are enough for the two older ones
+    assert [e.seq for e in batch.entries] == seqs[:2]
+    assert newest.status is SeqStatus.WAITING and newest.block_table == [] and newest.num_computed_tokens == 0
+    assert newest.num_output_tokens == 2  # kept: recompute feeds prompt + output
+    assert list(sched.waiting) == [newest]
+    late = SeqState([3, 3], max_tokens=2, arrival_time=10)
+    sched.add(late)
+    assert list(sched.waiting)[-1] is late  # preempted requests go before newer arrivals
+    run_to_completion(sched, runner)
+    assert sched.num_preemptions >= 1
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_token_ids == reference_output(prompt, None, 6, 64)
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_a_sequence_too_big_for_the_whole_pool_is_a_clear_error() -> None:
+    sched, runner = make(num_blocks=2)
+    sched.add(SeqState(range(1, 7), max_tokens=10))
+    with pytest.raises(GenerationError, match="KV blocks"):
+        run_to_completion(sched, runner)
+
+
+def test_abort_frees_blocks_wherever_the_request_is() -> None:
+    sched, runner = make(num_blocks=8, max_num_seqs=1)
+    running = SeqState(range(1, 10), max_tokens=20, arrival_time=0)
+    waiting = SeqState(range(1, 5), max_tokens=20, arrival_time=1)
+    sched.add(running)
+    sched.add(waiting)
+    step(sched, runner)
+    assert sched.block_manager.num_used_blocks == 3
+    assert sched.abort(waiting.seq_id) and sched.num_waiting == 0
+    batch = sched.schedule()
+    sampled = runner.run(batch)
+    assert sched.abort(running.seq_id)  # arrives while the model runs the step
+    assert sched.postprocess(batch, sampled) == []
+    assert not sched.has_unfinished() and running.status is SeqStatus.FINISHED
+    assert sched.block_manager.num_used_blocks == 0
+    assert not sched.abort(running.seq_id) and not sched.abort(12345)
+    sched.block_manager.check_invariants()
+
+
+def test_postprocess_needs_a_token_for_every_sampling_entry() -> None:
+    sched, _ = make()
+    sched.add(SeqState([1, 2], max_tokens=5))
+    batch = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.postprocess(batch, {})
+
+
+def test_postprocess_finishes_on_stop_flag_max_tokens_and_max_model_len() -> None:
+    sched, _ = make(max_model_len=10)
+    by_flag = SeqState([1, 2], max_tokens=50, arrival_time=0)
+    by_tokens = SeqState([3, 4], max_tokens=2, arrival_time=1)
+    by_length = SeqState(range(1, 8), max_tokens=50, arrival_time=2)
+    for seq in (by_flag, by_tokens, by_length):
+        sched.add(seq)
+    batch = sched.schedule()
+    by_flag.finished = True  # the engine's stop logic saw a stop string
+    assert sched.postprocess(batch, {e.seq.seq_id: 5 for e in batch.entries}) == [by_flag]
+    finished_at: dict[int, int] = {}
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        for seq in sched.postprocess(batch, {e.seq.seq_id: 5 for e in batch.entries}):
+            finished_at[seq.seq_id] = seq.num_tokens
+    assert finished_at == {by_tokens.seq_id: 4, by_length.seq_id: 10}
+    assert by_flag.num_output_tokens == 1 and by_flag.status is SeqStatus.FINISHED
+    assert sched.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("chunked", "prefix_cache", "seed"), [(True, True, 0), (True, False, 1), (False, True, 2), (True, True, 3)]
+)
+def test_random_workload_completes_with_reference_outputs_and_frees_everything(
+    chunked: bool, prefix_cache: bool, seed: int
+) -> None:
+    rng = random.Random(seed)
+    max_model_len = 48
+    sched, runner = make(
+        num_blocks=20,
+        prefix_cache=prefix_cache,
+        max_num_seqs=6,
+        max_num_batched_tokens=48 if not chunked else 20,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+    )
+    docs = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    expected: dict[int, list[int]] = {}
+    requests: list[SeqState] = []
+    aborted: set[int] = set()
+    num_chunks = 0  # prefill entries that stop inside a prompt
+    for i in range(60):
+        # Requests keep arriving while others run, as RAG queries over shared documents do.
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            prompt = [*rng.choice(docs), *(rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 8)))]
+            namespace = rng.choice([None, "lab-a", "lab-b"])
+            max_tokens = rng.randrange(1, 24)
+            seq = SeqState(prompt, max_tokens=max_tokens, namespace=namespace, arrival_time=i)
+            sched.add(seq)
+            requests.append(seq)
+            expected[seq.seq_id] = reference_output(prompt, namespace, max_tokens, max_model_len, stop=True)
+        if requests and rng.random() < 0.03:
+            victim = rng.choice(requests)
+            if sched.abort(victim.seq_id):
+                aborted.add(victim.seq_id)
+        if sched.has_unfinished():
+            batch, _ = step(sched, runner, stop=True)
+            num_chunks += sum(1 for e in batch.entries if not e.samples)
+    run_to_completion(sched, runner, stop=True)
+    bm = sched.block_manager
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    for seq in requests:
+        assert seq.status is SeqStatus.FINISHED
+        if seq.seq_id not in aborted:
+            assert seq.output_token_ids == expected[seq.seq_id], f"{seq} generated other tokens"
+    assert sched.num_preemptions > 0  # the pool is small enough that the run exercised preemption
+    if prefix_cache:
+        assert bm.num_hit_tokens > 0
+    assert (num_chunks > 0) == chunked
+
+
+_TORCH_BLOCKED_IMPORT = """
+import importlib, importlib.abc, sys, types
+
+class BlockTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, BlockTorch())
+# The package __init__ files load the torch generator; stand-ins test the module by itself.
+for name, folder in (("generation", "generation"), ("generation.engine", "generation/engine")):
+    package = types.ModuleType(name)
+    package.__path__ = [sys.argv[1] + "/" + folder]
+    sys.modules[name] = package
+importlib.import_module(sys.argv[2])
+assert "torch" not in sys.modules
+"""
+
+
+def _import_without_torch(module: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _TORCH_BLOCKED_IMPORT, str(ROOT), module],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("module", ["seq_state", "prefix_cache", "block_manager", "scheduler"])
+def test_engine_core_imports_without_torch(module: str) -> None:
+    result = _import_without_torch(f"generation.engine.{module}")
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_torch_blocker_does_block() -> None:
+    result = _import_without_torch("generation.engine.sequence")  # imports torch
+    assert result.returncode != 0 and "blocked" in result.stderr
