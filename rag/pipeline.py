@@ -17,7 +17,7 @@ from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from permissions.identity import IdentityStore
 from permissions.models import Principal
 from rag.errors import ConfigError
-from rag.prompts import build_messages, canonical_order, citations_for, select_sources
+from rag.prompts import build_messages, canonical_order, citations_for, select_sources, trim_repetition
 from rag.settings import Settings, check_collection_name
 from rag.types import Answer
 from retrieval.catalog import Catalog
@@ -128,7 +128,7 @@ class Rag:
         answer, tokens = self._prepare(question, principal, collection, k, generate, rerank)
         if tokens is not None:
             t = time.perf_counter()
-            answer.text = "".join(tokens).strip()
+            answer.text = trim_repetition("".join(tokens))
             answer.timings["generate"] = time.perf_counter() - t
             answer.timings["total"] += answer.timings["generate"]
         return answer

@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from rag.types import Citation, Hit
 
 SYSTEM_PROMPT = (
-    "You answer questions for members of a research institute using only the numbered "
-    "sources given. Cite the sources you use like [1]. If the sources do not contain the "
-    "answer, say that you don't know. Be brief."
+    "Answer the question in one or two sentences using only the numbered sources below. "
+    "Cite the sources you use like [1]. If the sources do not say, answer: I don't know."
 )
+# Small models follow an instruction next to the question better than one in the system turn.
+ANSWER_INSTRUCTION = "Answer in one or two sentences."
 
 
 def select_sources(hits: Sequence[Hit], count_tokens: Callable[[str], int],
@@ -43,7 +44,7 @@ def build_messages(question: str, sources: Sequence[Hit]) -> list[dict[str, str]
         name = hit.title or hit.document_key.rsplit("/", 1)[-1]
         blocks.append(f"[{n}] {name}\n{hit.text.strip()}")
     context = "\n\n".join(blocks) if blocks else "(no sources available to you)"
-    user = f"Sources:\n\n{context}\n\nQuestion: {question.strip()}"
+    user = f"Sources:\n\n{context}\n\nQuestion: {question.strip()}\n{ANSWER_INSTRUCTION}"
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
@@ -53,3 +54,23 @@ def citations_for(sources: Sequence[Hit]) -> list[Citation]:
                  chunk_index=h.chunk_index, score=h.score, text=h.text)
         for n, h in enumerate(sources, 1)
     ]
+
+
+def trim_repetition(text: str) -> str:
+    """Cut an answer where it starts repeating a sentence it already said.
+
+    Small greedy models fall into loops; a repeated sentence adds nothing for the reader.
+    """
+    import re
+
+    seen: set[str] = set()
+    kept: list[str] = []
+    for sentence in re.split(r"(?<=[.!?])\s+|\n+", text.strip()):
+        key = " ".join(sentence.lower().split())
+        if not key:
+            continue
+        if key in seen:
+            break
+        seen.add(key)
+        kept.append(sentence.strip())
+    return " ".join(kept)
