@@ -238,6 +238,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # transformers draws a "Loading weights" bar on every model load; ours is enough.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF converter's bar, too
     try:
         app()
     except RagError as e:

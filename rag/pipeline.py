@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from retrieval.rerank import CrossEncoderReranker
 
 
+NO_ANSWER = "I don't know: none of the documents you may read answer this question."
+
+
 class Rag:
     """One data directory's collections, users and models."""
 
@@ -137,7 +140,8 @@ class Rag:
                k: int | None = None) -> tuple[Answer, Iterator[str]]:
         """Retrieval now, then an iterator of answer text pieces (generation is lazy)."""
         answer, tokens = self._prepare(question, principal, collection, k, True, None)
-        assert tokens is not None
+        if tokens is None:  # nothing relevant: the fixed answer is the whole stream
+            return answer, iter([answer.text or ""])
         return answer, tokens
 
     def _prepare(self, question: str, principal: Principal, collection: str | None,
@@ -161,11 +165,20 @@ class Rag:
             answer.citations = citations_for(canonical_order(result.hits))
             timings["total"] = time.perf_counter() - total
             return answer, None
+        relevant = result.hits
+        floor = self.settings.min_rerank_score
+        if retriever.reranker is not None and floor is not None:
+            relevant = [h for h in result.hits if h.score >= floor]
+        if not relevant:
+            # Nothing the user may read is about this: say so rather than let a model guess.
+            answer.text = NO_ANSWER
+            timings["total"] = time.perf_counter() - total
+            return answer, None
         t = time.perf_counter()
         llm = self.llm
         timings["load_generator"] = time.perf_counter() - t
         sources = canonical_order(select_sources(
-            result.hits, lambda s: len(llm.tokenizer.encode(s)), self.settings.context_tokens))
+            relevant, lambda s: len(llm.tokenizer.encode(s)), self.settings.context_tokens))
         answer.citations = citations_for(sources)
         messages = build_messages(question, sources)
         timings["total"] = time.perf_counter() - total

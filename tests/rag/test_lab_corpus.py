@@ -75,3 +75,10 @@ def test_generated_answer_cites_only_readable_sources(lab_rag):
     for secret in ["FRZ-80-B", "B214"]:
         assert secret not in bob.text
         assert all(secret not in c.text for c in bob.citations)
+
+
+def test_nothing_relevant_gives_a_fixed_answer_without_generating(lab_rag):
+    answer = lab_rag.query("What temperature is the -80 freezer alarm set to?",
+                           lab_rag.principal("dave"), k=3)
+    assert answer.text.startswith("I don't know")
+    assert answer.citations == [] and "generate" not in answer.timings
