@@ -1,4 +1,4 @@
-"""ModelConfig: the architecture numbers our Llama implementation reads from a model folder."""
+"""ModelConfig (architecture read from a model folder) and EngineConfig (how the engine runs it)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rag.errors import ModelError
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,6 +37,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool = False
+    # Qwen3: RMSNorm over each query and key head before rotary embeddings.
+    qk_norm: bool = False
     # rope_type and its parameters (factor, low_freq_factor, ...); {"rope_type": "default"} if none
     rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
     # EOS ids from config.json and generation_config.json (the tokenizer's is added by the LLM).
@@ -100,13 +105,14 @@ class ModelConfig:
                 # Qwen2 always has q/k/v biases; Llama only when attention_bias is set.
                 attention_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
                 mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+                qk_norm=hf.model_type == "qwen3",
                 rope_scaling=_rope_scaling(hf),
                 eos_token_ids=tuple(_eos_ids(getattr(hf, "eos_token_id", None)) + _generation_eos_ids(model_dir)),
             )
         except ValueError as exc:
             raise ModelError(
                 f"the model in {model_dir} cannot run on this generator: {exc}. "
-                "Use a Llama or Qwen2 architecture model, or serve it through a remote generator."
+                "Use a Llama, Qwen2 or Qwen3 architecture model, or serve it through a remote generator."
             ) from exc
 
 
@@ -147,3 +153,72 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
         logger.warning("ignoring unreadable %s: %s", path, exc)
         return []
     return _eos_ids(data.get("eos_token_id"))
+
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the generation engine runs a model: batch limits, KV cache size, CUDA graphs.
+
+    Args:
+        max_num_seqs: most requests holding KV blocks at once (the decode batch). Range >= 1.
+        max_num_batched_tokens: most tokens fed to the model in one step (prefill chunks plus one
+            per decode); also the size of the start-up profiling pass. Range >= max_num_seqs.
+        max_model_len: most tokens of one request (prompt + output). None takes the model's
+            context, lowered (with a warning) to what the KV cache holds. A value given here must
+            fit the model's context and the KV cache, or the engine refuses to start. Range >= 2.
+        block_size: tokens per KV block. Range 1..256; 16 is usual, Triton kernels like powers of 2.
+        gpu_memory_utilization: share of the GPU's total memory that weights, activations and the
+            KV cache may use together (CUDA only). Range (0, 1].
+        num_kv_blocks: KV blocks to allocate, overriding the measurement (tests, CPU). Range >= 1.
+        enable_prefix_caching: share full KV blocks between requests with the same prefix (and
+            namespace).
+        enable_chunked_prefill: split long prompts over steps so that decodes keep running.
+        enforce_eager: no CUDA graphs (debugging; always eager on CPU).
+        dtype: "float32", "float16", "bfloat16" (or the torch dtype); None gives bf16 on CUDA
+            and fp32 on CPU.
+        device: "cuda", "cuda:1", "cpu"; None picks CUDA when available.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    dtype: str | torch.dtype | None = None
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so that every running request can decode in one step"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be None or >= 2, got {self.max_model_len}")
+        if not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be in 1..256 (16 is usual), got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be None (measure) or >= 1, got {self.num_kv_blocks}")
+        if self.dtype is not None and self.dtype_name not in DTYPE_NAMES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; valid: None, {', '.join(DTYPE_NAMES)}")
+
+    @property
+    def dtype_name(self) -> str | None:
+        """The dtype as a name ("bfloat16"), whether it was given as a string or a torch dtype."""
+        if self.dtype is None:
+            return None
+        return str(self.dtype).removeprefix("torch.")

@@ -1,4 +1,4 @@
-"""Attention over a contiguous KV cache with grouped-query heads (plain torch reference)."""
+"""Attention for one step: paged KV cache (store, then prefill or decode kernel) or a cache-free dense pass."""
 
 from __future__ import annotations
 
@@ -7,56 +7,63 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from generation.layers.paged_attention import paged_decode_attention, paged_prefill_attention, store_kvcache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens go in the cache and which keys each query may see.
+    """Where a step's packed tokens go in the paged KV cache and what each one attends to.
 
-    All rows of a batch share one cache layout (prompts are left-padded to the same length), so
-    a single `start` index says where the step's S new tokens are written.
+    The step's T tokens belong to B sequences, packed back to back. A decode step (`is_prefill`
+    False) has exactly one token per sequence and uses the decode kernel; any step with a prompt
+    chunk uses the varlen prefill kernel, in which decodes ride along as 1-token entries.
     """
 
-    start: int  # cache index of the first new token
-    mask: torch.Tensor  # [B, 1, S, start + S] bool, True = the query may attend to that key
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1 = do not store)
+    context_lens: torch.Tensor  # [B] int32, cached prefix + new tokens of each sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int32, physical blocks, padded with -1
+    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32, prefill only: sequence i owns rows [i], [i + 1]
 
 
-def causal_mask(batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """A [B, 1, S, S] mask for unpadded prompts without a cache."""
-    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    return mask.expand(batch_size, 1, seq_len, seq_len)
-
-
-def attention(
+def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    kv_cache: KVCache,
     meta: AttentionMetadata,
-    kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
 ) -> torch.Tensor:
-    """Write k, v into the cache, then attend q to every cached key the mask allows.
+    """Store this step's k, v in the cache, then attend q to each sequence's whole context.
 
     Args:
-        q: [B, Hq, S, D] queries (rotary already applied).
-        k, v: [B, Hkv, S, D] keys and values of the new tokens.
-        meta: cache position and visibility mask of this step.
-        kv_cache: ([B, Hkv, T_max, D], same) for this layer, or None for a cache-free forward.
+        q: [T, Hq, D] queries (rotary applied).
+        k, v: [T, Hkv, D] keys and values of the new tokens.
+        kv_cache: this layer's cache.
+        meta: the step's layout.
+        scale: softmax scale.
 
     Returns:
-        [B, Hq, S, D] attention output.
+        [T, Hq, D] attention output.
     """
-    if kv_cache is not None:
-        k_cache, v_cache = kv_cache
-        end = meta.start + k.shape[2]
-        k_cache[:, :, meta.start : end] = k
-        v_cache[:, :, meta.start : end] = v
-        k, v = k_cache[:, :, :end], v_cache[:, :, :end]
-    batch, num_heads, seq_len, head_dim = q.shape
-    group = num_heads // k.shape[1]
-    # Grouped-query attention without copying K/V per query head: the `group` query heads that
-    # share a KV head are stacked along the sequence axis (row g*S + s), so each KV head is read
-    # once. Hugging Face orders heads KV-major (head h uses KV head h // group), as this reshape
-    # assumes.
-    q = q.reshape(batch, k.shape[1], group * seq_len, head_dim)
-    mask = meta.mask.repeat(1, 1, group, 1) if group > 1 else meta.mask
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.reshape(batch, num_heads, seq_len, head_dim)
+    k_cache, v_cache = kv_cache
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_prefill:
+        assert meta.cu_seqlens_q is not None
+        return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                                       scale)  # fmt: skip
+    return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention over whole unpadded rows without a cache (the form parity tests compare to HF).
+
+    Args:
+        q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] (grouped-query: Hq is a multiple of Hkv).
+
+    Returns:
+        [B, Hq, S, D].
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,4 +1,4 @@
-"""The Llama architecture (also Qwen2, which adds q/k/v biases) in plain torch, with a KV cache."""
+"""The Llama architecture (also Qwen2 with q/k/v biases, Qwen3 with QK-norm) in plain torch, over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from generation.config import ModelConfig
-from generation.layers.attention import AttentionMetadata, attention, causal_mask
+from generation.layers.attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
 from generation.layers.norm import RMSNorm
 from generation.layers.rotary import RotaryEmbedding, apply_rotary
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [B, Hkv, T_max, D]
 
 # Checkpoint names that we load into one fused matrix: fewer, larger matmuls per layer, which
 # matters on CPU where per-op overhead dominates decode. Value: (fused name, shard index).
@@ -27,7 +25,7 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with fused q/k/v projection, rotary embeddings and grouped KV heads."""
+    """Self-attention with fused q/k/v projection, optional QK-norm, rotary embeddings and grouped KV heads."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -36,26 +34,42 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
+        # Qwen2 has biases on q/k/v only; Llama's (and Qwen3's) attention_bias covers o_proj too.
         o_bias = config.attention_bias and config.model_type != "qwen2"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata | None,
+        kv_cache: KVCache | None,
     ) -> torch.Tensor:
-        batch, seq_len, _ = x.shape
+        """x: [T, H] packed tokens (with meta and cache) or [B, S, H] whole rows (without)."""
+        lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, *rope)
-        out = attention(q, k, v, meta, kv_cache)  # [B, Hq, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.q_size))
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if meta is None:
+            # Dense rows: heads before the sequence axis, as the rotary tables [B, 1, S, D] expect.
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = apply_rotary(q, k, *rope)
+            out = dense_causal_attention(q, k, v, self.scale).transpose(1, 2)  # [B, S, Hq, D]
+        else:
+            assert kv_cache is not None, "a paged step needs this layer's KV cache"
+            q, k = apply_rotary(q, k, *rope)  # rope tables [T, 1, D] broadcast over heads
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(*lead, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -86,8 +100,8 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata | None,
+        kv_cache: KVCache | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -108,8 +122,8 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: KVCache | None,
+        meta: AttentionMetadata | None,
+        kv_caches: list[KVCache] | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
@@ -145,18 +159,22 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
-        kv_caches: KVCache | None = None,
+        kv_caches: list[KVCache] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, S, H] of input_ids [B, S].
+        """Hidden states of a step.
 
-        Without `meta` this is a plain causal forward over unpadded rows (positions 0..S-1), the
-        form the parity tests compare against Hugging Face.
+        Two forms: packed tokens input_ids [T] with positions [T], `meta` and one KV cache per
+        layer (the engine's paged step), returning [T, H]; or whole unpadded rows input_ids
+        [B, S] without meta or cache (positions 0..S-1 by default), returning [B, S, H]: a plain
+        causal forward, the form the parity tests compare against Hugging Face.
         """
-        batch, seq_len = input_ids.shape
-        if positions is None:
-            positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         if meta is None:
-            meta = AttentionMetadata(start=0, mask=causal_mask(batch, seq_len, input_ids.device))
+            assert input_ids.dim() == 2 and kv_caches is None, "a cache-free forward takes whole rows [B, S]"
+            if positions is None:
+                batch, seq_len = input_ids.shape
+                positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+        else:
+            assert input_ids.dim() == 1 and positions is not None and kv_caches is not None
         return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

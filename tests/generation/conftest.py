@@ -21,7 +21,7 @@ assert TINY_VOCAB == 128
 
 def tiny_hf_config(variant: str = "default"):
     """A 2-layer GQA config (4 query heads, 2 KV heads); `variant` switches one feature on."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -40,6 +40,9 @@ def tiny_hf_config(variant: str = "default"):
     )
     if variant == "qwen2":
         return Qwen2Config(**common)
+    if variant == "qwen3":
+        # Qwen3 sets head_dim on its own (128 by default); QK-norm is what this variant tests.
+        return Qwen3Config(**common, head_dim=16)
     rope_scaling = None
     if variant == "llama3":
         # original_max_position_embeddings small enough that the frequencies fall in all three

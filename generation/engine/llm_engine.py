@@ -1,0 +1,294 @@
+"""LLMEngine: requests in, one scheduled model step at a time, per-request token and text updates out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from generation.config import EngineConfig
+from generation.engine.block_manager import BlockManager
+from generation.engine.detokenizer import PROMPT_CONTEXT_TOKENS
+from generation.engine.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
+from generation.engine.model_runner import ModelRunner
+from generation.engine.scheduler import Scheduler, SchedulerConfig
+from generation.engine.seq_state import SeqState, SeqStatus
+from generation.engine.sequence import Sequence
+from generation.outputs import RequestOutput
+from generation.sampling_params import SamplingParams
+from rag.errors import GenerationError, ModelError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step did for one request.
+
+    Attributes:
+        request_id: as add_request returned it.
+        new_token_ids: tokens sampled this step (one; a final stop token included).
+        text_delta: new text that can no longer turn into a stop string ("" for requests added
+            with incremental_text=False, whose text comes only with the output).
+        finished: the request is done and its KV blocks are released.
+        finish_reason: "stop" or "length" when finished, else None.
+        output: the whole result, when finished.
+        metrics: the request's latencies, when finished.
+    """
+
+    request_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+    metrics: RequestMetrics | None = None
+
+
+class Request:
+    """One request inside the engine: SeqState for the scheduler, Sequence for stop checks and text."""
+
+    __slots__ = ("state", "sequence", "incremental_text")
+
+    def __init__(self, state: SeqState, sequence: Sequence, incremental_text: bool) -> None:
+        self.state = state
+        self.sequence = sequence
+        self.incremental_text = incremental_text
+
+    @property
+    def request_id(self) -> int:
+        return self.state.seq_id
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache with a namespaced prefix cache.
+
+    Not thread-safe: one thread calls add/abort/step (AsyncLLMEngine runs it on its own thread).
+
+    Args:
+        model: a local Hugging Face model folder.
+        config: engine settings; defaults when None.
+
+    Raises:
+        ModelError: the folder is not a usable model, the device is missing, or the KV cache
+            cannot hold one sequence of max_model_len.
+    """
+
+    def __init__(self, model: str | Path, config: EngineConfig | None = None) -> None:
+        self.model_dir = Path(model).expanduser()
+        if not self.model_dir.is_dir():
+            raise ModelError(
+                f"generator model folder {str(model)!r} does not exist. Pass a local Hugging Face "
+                "model folder, or resolve a .gguf file or the default with "
+                "generation.loader.resolve_model_dir first."
+            )
+        self.config = config or EngineConfig()
+        self.model_runner = ModelRunner(self.model_dir, self.config)
+        self.model_config = self.model_runner.model_config
+        self.max_model_len = self.model_runner.max_model_len
+        self.tokenizer = load_tokenizer(self.model_dir)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.block_manager = BlockManager(
+            self.model_runner.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            enable_chunked_prefill=self.config.enable_chunked_prefill,
+        )
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.metrics = EngineMetrics()
+        self._requests: dict[int, Request] = {}
+
+    # ---------------------------------------------------------------------------------------------
+    # Requests
+    # ---------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+        *,
+        incremental_text: bool = True,
+    ) -> int:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt: token ids, or text (tokenized with the model's tokenizer).
+            params: sampling and stopping; greedy with defaults when None.
+            namespace: prefix-cache domain: KV blocks are shared only between requests of the
+                same namespace (None is a namespace of its own).
+            incremental_text: produce text deltas every step; False leaves them empty and
+                decodes the text once at the end (cheaper, for offline batches).
+
+        Raises:
+            GenerationError: an empty, over-long or out-of-vocabulary prompt, or text / stop
+                strings without a tokenizer.
+        """
+        return self.add(self.make_request(prompt, params, namespace, incremental_text=incremental_text))
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        namespace: str | None = None,
+        *,
+        incremental_text: bool = True,
+    ) -> Request:
+        """Validate and build a request without queueing it (safe from any thread); see add_request."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        if params.stop and self.tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer; this model folder has none")
+        max_new = min(params.max_tokens, self.max_model_len - len(ids))
+        state = SeqState(ids, max_tokens=max_new, namespace=namespace)
+        # Without incremental text and stop strings no detokenizer runs per token (it costs two
+        # tokenizer calls per token); the text is decoded once when the request finishes.
+        detokenize = incremental_text or bool(params.stop)
+        sequence = Sequence(
+            prompt_token_ids=ids,
+            params=params,
+            tokenizer=self.tokenizer if detokenize else None,
+            eos_token_ids=self.eos_token_ids,
+            max_new_tokens=max_new,
+            device=self.model_runner.device,
+        )
+        return Request(state, sequence, incremental_text)
+
+    def add(self, request: Request) -> int:
+        """Queue a request built by make_request; returns its id."""
+        self.scheduler.add(request.state)
+        self._requests[request.request_id] = request
+        self.metrics.on_arrival(request.request_id, request.state.arrival_time)
+        return request.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request and free its KV blocks; False if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        self.metrics.on_abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def get_metrics(self) -> MetricsSnapshot:
+        return self.metrics.snapshot(self.scheduler)
+
+    # ---------------------------------------------------------------------------------------------
+    # A step
+    # ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        """Schedule, run the model once and account for it; one update per request that sampled.
+
+        Raises:
+            GenerationError: a request needs more KV blocks than the whole cache has.
+        """
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        requests = [self._requests[e.seq.seq_id] for e in batch.sampling_entries]
+        tokens = self.model_runner.execute(
+            batch, [r.sequence.params for r in requests], [r.sequence.generator for r in requests]
+        )
+        now = time.monotonic()
+        sampled: dict[int, int] = {}
+        for request, token in zip(requests, tokens, strict=True):
+            request.sequence.append(token)
+            # The scheduler frees a sequence whose stop logic (EOS, stop strings) finished it.
+            request.state.finished = request.sequence.is_finished
+            sampled[request.request_id] = token
+            self.metrics.on_token(request.request_id, now)
+        self.scheduler.postprocess(batch, sampled)
+        return [self._update(request, token) for request, token in zip(requests, tokens, strict=True)]
+
+    def _update(self, request: Request, token: int) -> RequestUpdate:
+        seq = request.sequence
+        finished = request.state.status is SeqStatus.FINISHED
+        # Both cap the output at min(max_tokens, max_model_len - prompt), so they agree on "length".
+        assert finished == seq.is_finished, f"scheduler and stop logic disagree on request {request.request_id}"
+        delta = seq.pop_stream_delta() if request.incremental_text else ""
+        if not finished:
+            return RequestUpdate(request.request_id, [token], delta, False)
+        del self._requests[request.request_id]
+        if seq.detokenizer is None and self.tokenizer is not None:
+            seq.text = self._decode_output(seq)
+        return RequestUpdate(
+            request.request_id,
+            [token],
+            delta,
+            True,
+            seq.finish_reason,
+            seq.to_output(),
+            self.metrics.on_finish(request.request_id),
+        )
+
+    def _decode_output(self, seq: Sequence) -> str:
+        """The text the incremental detokenizer would have produced, decoded in one call."""
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_token_ids:
+            ids = ids[:-1]  # a stop token counts as generated, but its text is not part of the answer
+        # The same prompt context as the incremental detokenizer, so a leading space survives.
+        context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+        kwargs = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(context + ids, **kwargs)[len(self.tokenizer.decode(context, **kwargs)) :]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise GenerationError(
+                    f"text prompts need a tokenizer, and {self.model_dir} has no tokenizer files: pass token "
+                    "ids, or use a model folder saved with its tokenizer."
+                )
+            ids = [int(t) for t in self.tokenizer(prompt).input_ids]
+        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise GenerationError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise GenerationError("a prompt is empty: pass at least one token or character")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise GenerationError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise GenerationError(
+                f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
+                "(max_model_len, prompt + output): shorten it (fewer or smaller retrieved chunks)."
+            )
+        return ids
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The folder's tokenizer, or None when it has no tokenizer files.
+
+    Raises:
+        ModelError: tokenizer files that do not load.
+    """
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        logger.info("%s has no tokenizer files: token-id prompts only", model_dir)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc

@@ -1,0 +1,159 @@
+"""EngineMetrics: request latencies (time to first token, inter-token) and snapshots of queue and KV cache state."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from generation.engine.scheduler import Scheduler
+
+DEFAULT_WINDOW = 1000  # latency samples kept for the percentiles: recent behaviour, bounded memory
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Mean and percentiles, in seconds, of the latencies in the window (zeros when it is empty)."""
+
+    count: int = 0
+    mean: float = 0.0
+    p50: float = 0.0
+    p99: float = 0.0
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> LatencyStats:
+        values = sorted(samples)
+        if not values:
+            return cls()
+        return cls(len(values), sum(values) / len(values), _percentile(values, 50), _percentile(values, 99))
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Latencies of one request, in seconds (None until it has produced the tokens they need)."""
+
+    time_to_first_token: float | None
+    mean_inter_token_latency: float | None
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What the service exports: queue lengths, KV blocks, prefix-cache hits and latencies."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    kv_cache_usage: float
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_requests_finished: int
+    num_generated_tokens: int
+    time_to_first_token: LatencyStats
+    inter_token_latency: LatencyStats
+
+
+class _RequestTimes:
+    __slots__ = ("arrival", "first_token", "last_token", "num_tokens", "itl_sum")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self.itl_sum = 0.0
+
+
+class EngineMetrics:
+    """Records request events (times from the caller's clock) and summarises them.
+
+    Args:
+        window: latency samples kept for means and percentiles (the most recent ones).
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._requests: dict[int, _RequestTimes] = {}
+        self._ttft: deque[float] = deque(maxlen=window)
+        self._itl: deque[float] = deque(maxlen=window)
+        self.num_requests_finished = 0
+        self.num_generated_tokens = 0
+
+    def on_arrival(self, request_id: int, now: float) -> None:
+        self._requests[request_id] = _RequestTimes(now)
+
+    def on_token(self, request_id: int, now: float) -> None:
+        """A request produced one token at `now`: its first gives the TTFT, later ones an inter-token gap."""
+        times = self._requests.get(request_id)
+        if times is None:
+            return
+        if times.first_token is None:
+            times.first_token = now
+            self._ttft.append(now - times.arrival)
+        else:
+            assert times.last_token is not None
+            gap = now - times.last_token
+            self._itl.append(gap)
+            times.itl_sum += gap
+        times.last_token = now
+        times.num_tokens += 1
+        self.num_generated_tokens += 1
+
+    def on_finish(self, request_id: int) -> RequestMetrics | None:
+        """Forget a finished request; returns its latencies."""
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return None
+        self.num_requests_finished += 1
+        return _request_metrics(times)
+
+    def on_abort(self, request_id: int) -> None:
+        self._requests.pop(request_id, None)
+
+    def request_metrics(self, request_id: int) -> RequestMetrics | None:
+        """Latencies so far of a request still in flight (None if unknown)."""
+        times = self._requests.get(request_id)
+        return _request_metrics(times) if times is not None else None
+
+    def time_to_first_token(self) -> LatencyStats:
+        return LatencyStats.of(self._ttft)
+
+    def inter_token_latency(self) -> LatencyStats:
+        return LatencyStats.of(self._itl)
+
+    def snapshot(self, scheduler: Scheduler) -> MetricsSnapshot:
+        """Current counters of the scheduler, its block manager and these latencies."""
+        bm = scheduler.block_manager
+        return MetricsSnapshot(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_kv_blocks=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_free=bm.num_free_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queried_tokens=bm.num_queried_tokens,
+            prefix_cache_hit_tokens=bm.num_hit_tokens,
+            prefix_cache_hit_rate=bm.hit_rate,
+            num_preemptions=scheduler.num_preemptions,
+            num_requests_finished=self.num_requests_finished,
+            num_generated_tokens=self.num_generated_tokens,
+            time_to_first_token=self.time_to_first_token(),
+            inter_token_latency=self.inter_token_latency(),
+        )
+
+
+def _request_metrics(times: _RequestTimes) -> RequestMetrics:
+    ttft = times.first_token - times.arrival if times.first_token is not None else None
+    gaps = times.num_tokens - 1
+    return RequestMetrics(ttft, times.itl_sum / gaps if gaps > 0 else None, times.num_tokens)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list: the smallest value with at least q% at or below it."""
+    rank = max(1, -(-len(sorted_values) * q // 100))
+    return sorted_values[int(rank) - 1]
