@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import logging
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,12 +87,18 @@ def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="decode,throughput,prefix")
+    ap.add_argument("--only", default="decode,throughput,prefix,overhead")
     ap.add_argument("--prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=64, help="subsample for the HF throughput peer")
     ap.add_argument("--folder", default=None, help="reuse a saved random model folder")
+    ap.add_argument("--child-overhead", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     only = set(args.only.split(","))
+    if args.child_overhead:
+        return child_overhead(Path(args.folder), args.child_overhead)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
     bw = copy_bandwidth()
     folder = Path(args.folder or tempfile.mkdtemp(prefix="llama8b-"))
@@ -106,29 +115,62 @@ def main() -> None:
     def rand_prompt(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]
 
-    results: dict[str, float] = {}
+    if "overhead" in only:
+        # No reuse at all: distinct prompts, cache on vs off, each engine in its own process.
+        times = {}
+        for flag in ("on", "off"):
+            proc = subprocess.run([sys.executable, __file__, "--child-overhead", flag, "--folder", str(folder)],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"overhead child ({flag}) failed:\n{proc.stderr[-3000:]}")
+            times[flag] = float(proc.stdout.strip().splitlines()[-1])
+        print(f"prefix cache with no reuse (200 distinct prompts, 64 new tokens): {times['on']:.2f} s on vs "
+              f"{times['off']:.2f} s off ({(times['on'] / times['off'] - 1) * 100:+.1f}%)")
+
+    prompt512 = rand_prompt(512)
+    thr_prompts = [rand_prompt(rng.randint(100, 1024)) for _ in range(args.prompts)]
+    thr_outs = [rng.randint(100, 1024) for _ in range(args.prompts)]
+
+    # Peers first: Hugging Face generate on the same weights (freed before our engine starts).
+    hf_ms = hf_rate = None
+    if only & {"decode", "throughput"}:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+        hf.eval()
+        if "decode" in only:
+            hf_generate_time(hf, [prompt512], 8)
+            hf_ms = hf_generate_time(hf, [prompt512], 256) * 1000 / 256
+        if "throughput" in only:
+            sub = list(range(min(args.hf_prompts, len(thr_prompts))))
+            n_out, t_total = 0, 0.0
+            for start in range(0, len(sub), 32):  # padded batches of 32, each run to its longest output
+                idx = sub[start:start + 32]
+                t_total += hf_generate_time(hf, [thr_prompts[i] for i in idx], max(thr_outs[i] for i in idx))
+                n_out += sum(thr_outs[i] for i in idx)  # useful tokens only
+            hf_rate = n_out / t_total
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+
     llm = LLM(folder, device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4608)
     if "decode" in only:
-        prompt = rand_prompt(512)
         params = SamplingParams(max_tokens=256, ignore_eos=True)
-        llm.generate([prompt], params)  # warm-up
+        llm.generate([prompt512], params)  # warm-up
         t = time.perf_counter()
-        llm.generate([prompt], params)
+        llm.generate([prompt512], params)
         ours_ms = (time.perf_counter() - t) * 1000 / 256
-        results["decode_ms"] = ours_ms
+        print(f"decode batch 1 (512-token prompt, 256 new): ours {ours_ms:.2f} ms/token, HF generate "
+              f"{hf_ms:.2f} ms/token ({hf_ms / ours_ms:.1f}x faster), bandwidth floor {floor_ms:.2f} ms "
+              f"(ours reaches {floor_ms / ours_ms * 100:.0f}% of the floor)")
     if "throughput" in only:
-        prompts = [rand_prompt(rng.randint(100, 1024)) for _ in range(args.prompts)]
-        outs = [rng.randint(100, 1024) for _ in range(args.prompts)]
-        params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outs]
-        llm.generate(prompts[:8], params[:8])  # warm-up
+        params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in thr_outs]
+        llm.generate(thr_prompts[:8], params[:8])  # warm-up
         t = time.perf_counter()
-        res = llm.generate(prompts, params)
+        res = llm.generate(thr_prompts, params)
         dt = time.perf_counter() - t
         n_out = sum(len(r.token_ids) for r in res)
-        results["throughput"] = n_out / dt
-        print(f"throughput: ours {n_out} output tokens in {dt:.1f} s = {n_out / dt:,.0f} tok/s "
-              f"({args.prompts} prompts)")
-        throughput_set = (prompts, outs)
+        print(f"throughput ({args.prompts} prompts, in/out uniform 100-1024): ours {n_out / dt:,.0f} output tok/s "
+              f"({n_out} tokens in {dt:.1f} s); HF generate in batches of 32 ({args.hf_prompts}-prompt "
+              f"subsample) {hf_rate:,.0f} tok/s; ours {n_out / dt / hf_rate:.1f}x")
     if "prefix" in only:
         base = rand_prompt(4000)
 
@@ -141,61 +183,29 @@ def main() -> None:
 
         colds, warms = [], []
         for _ in range(5):
-            fresh = rand_prompt(4000)  # a prefix never seen: cold
-            colds.append(ttft(fresh + rand_prompt(96)))
+            colds.append(ttft(rand_prompt(4000) + rand_prompt(96)))  # a prefix never seen
             ttft(base + rand_prompt(96))  # make sure `base` is cached
             warms.append(ttft(base + rand_prompt(96)))
         cold, warm = statistics.median(colds), statistics.median(warms)
-        results["ttft_cold_ms"], results["ttft_warm_ms"] = cold * 1000, warm * 1000
         print(f"prefix cache: TTFT of a 4,096-token prompt cold {cold * 1000:.1f} ms, with 4,000 tokens "
               f"cached {warm * 1000:.1f} ms: {cold / warm:.1f}x faster")
-    hit_rate = llm.metrics().prefix_cache_hit_rate if hasattr(llm, "metrics") else float("nan")
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+        print(f"prefix-cache counters: {llm.metrics()}")
 
-    if "prefix" in only:
-        # No reuse at all: distinct prompts through an engine with the cache on and off.
-        prompts = [rand_prompt(rng.randint(100, 1024)) for _ in range(200)]
-        params = SamplingParams(max_tokens=64, ignore_eos=True)
-        times = {}
-        for enabled in (True, False):
-            e = LLM(folder, device="cuda", enable_prefix_caching=enabled, max_model_len=4608)
-            e.generate(prompts[:4], params)
-            t = time.perf_counter()
-            e.generate(prompts[4:], params)
-            times[enabled] = time.perf_counter() - t
-            del e
-            gc.collect()
-            torch.cuda.empty_cache()
-        print(f"prefix cache with no reuse: {times[True]:.2f} s on vs {times[False]:.2f} s off "
-              f"({(times[True] / times[False] - 1) * 100:+.1f}%)")
 
-    if only & {"decode", "throughput"}:
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-        hf.eval()
-        if "decode" in only:
-            prompt = rand_prompt(512)
-            hf_generate_time(hf, [prompt], 8)
-            hf_ms = hf_generate_time(hf, [prompt], 256) * 1000 / 256
-            ours_ms = results["decode_ms"]
-            print(f"decode batch 1: ours {ours_ms:.2f} ms/token, HF generate {hf_ms:.2f} ms/token "
-                  f"({hf_ms / ours_ms:.1f}x faster), bandwidth floor {floor_ms:.2f} ms "
-                  f"(ours at {floor_ms / ours_ms * 100:.0f}% of the floor)")
-        if "throughput" in only:
-            prompts, outs = throughput_set
-            sub = list(range(min(args.hf_prompts, len(prompts))))
-            n_out = 0
-            t_total = 0.0
-            for start in range(0, len(sub), 32):  # HF in padded batches of 32, each to its longest output
-                idx = sub[start:start + 32]
-                new = max(outs[i] for i in idx)
-                t_total += hf_generate_time(hf, [prompts[i] for i in idx], new)
-                n_out += sum(outs[i] for i in idx)  # useful tokens only
-            hf_rate = n_out / t_total
-            print(f"throughput: HF generate (batches of 32, {len(sub)}-prompt subsample) {hf_rate:,.0f} useful "
-                  f"tok/s; ours {results['throughput'] / hf_rate:.1f}x")
-    print(f"prefix-cache hit rate over the run: {hit_rate:.3f}")
+def child_overhead(folder: Path, flag: str) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 128000) for _ in range(rng.randint(100, 1024))] for _ in range(200)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    e = LLM(folder, device="cuda", enable_prefix_caching=flag == "on", max_model_len=4608)
+    e.generate([[5] * 64] * 4, params)
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        e.generate(prompts, params)
+        best = min(best, time.perf_counter() - t)
+        if flag == "on":  # so the second pass cannot reuse the first pass's blocks
+            e.engine.block_manager.reset_prefix_cache()
+    print(best)
 
 
 if __name__ == "__main__":
