@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from generation.engine.decode_inputs import DecodeFields, DecodeInputs
 from generation.layers.attention import AttentionMetadata, KVCache
 from generation.models.llama import LlamaForCausalLM
 
@@ -24,50 +25,42 @@ def decode_batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """One CUDA graph of `model`'s decode step per batch bucket, sharing static inputs and a memory pool.
+    """One CUDA graph of `model`'s decode step per batch bucket, reading a packed input buffer in place.
 
-    A decode step of n sequences replays the smallest bucket >= n: the first n rows of the static
-    buffers hold the real inputs, the rest are padding that writes no KV (slot -1) and attends to
-    nothing (context 0), so padded rows cannot disturb the cache or the real rows.
+    A decode step of n sequences replays the smallest bucket >= n. The graph of bucket bs reads
+    DecodeInputs' device buffer laid out for bs rows; the first n hold the real inputs, the rest
+    are padding that writes no KV (slot -1) and attends to nothing (context 0), so padded rows
+    cannot disturb the cache or the real rows. Converting context lengths and the transposed block
+    table to the kernels' int32 layout happens inside the graph, so a step costs the host one
+    copy and one replay.
 
     Args:
         model: the model; its weights and the KV cache must stay where they are for the graphs' life.
         kv_caches: one (k_cache, v_cache) per layer.
-        max_num_seqs: the largest decode batch.
-        max_blocks_per_seq: block-table width, blocks of a max_model_len sequence.
+        inputs: the packed decode inputs; its device buffer must stay where it is, too.
     """
 
-    def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks_per_seq: int
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], inputs: DecodeInputs) -> None:
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
         assert device.type == "cuda", "CUDA graphs need a CUDA model"
-        self.buckets = decode_batch_buckets(max_num_seqs)
+        self.buckets = decode_batch_buckets(inputs.max_batch)
         max_bs = self.buckets[-1]
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((max_bs, max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((max_bs, inputs.max_blocks), -1, dtype=torch.int32, device=device)
         self.outputs = torch.zeros(max_bs, model.config.hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         started = time.perf_counter()
         pool = None
         # Largest first: it sizes the shared pool, which the smaller graphs then reuse.
         for bs in reversed(self.buckets):
-            meta = AttentionMetadata(
-                is_prefill=False,
-                slot_mapping=self.slot_mapping[:bs],
-                context_lens=self.context_lens[:bs],
-                block_tables=self.block_tables[:bs],
-            )
+            inputs.reset(bs)
             # Warm-up outside the capture: Triton compiles and cuBLAS picks its kernels here.
-            self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta, kv_caches)
+            self._step(model, kv_caches, inputs.fields(bs), bs)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta, kv_caches)
+                self._step(model, kv_caches, inputs.fields(bs), bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -79,31 +72,31 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.buckets[-1]
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-    ) -> torch.Tensor:
-        """Replay the decode step for n = len(input_ids) sequences; returns hidden states [n, H].
+    def bucket(self, n: int) -> int:
+        """The graph batch size that serves n sequences."""
+        return next(b for b in self.buckets if b >= n)
+
+    def meta(self, fields: DecodeFields, n: int) -> AttentionMetadata:
+        """The metadata the graphs attend with, first n rows (filled by a replay, valid after it)."""
+        return AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=fields.slot_mapping[:n],
+            context_lens=self.context_lens[:n],
+            block_tables=self.block_tables[:n],
+        )
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Replay the decode step over the packed inputs written for bucket(n); hidden states [n, H].
 
         The result is a view of the static output buffer: read it before the next replay.
         """
-        n = input_ids.shape[0]
-        bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.context_lens[:n] = context_lens
-        self.context_lens[n:bs] = 0
-        # Columns past `width` keep stale block ids: the kernel reads only the blocks that a row's
-        # context length covers, and those are all in the first `width` columns.
-        self.block_tables[:n, : block_tables.shape[1]] = block_tables
-        self.graphs[bs].replay()
+        self.graphs[self.bucket(n)].replay()
         return self.outputs[:n]
+
+    def _step(self, model: LlamaForCausalLM, kv_caches: list[KVCache], fields: DecodeFields, bs: int) -> None:
+        self.context_lens[:bs].copy_(fields.context_lens)
+        self.block_tables[:bs].copy_(fields.block_columns.t())
+        self.outputs[:bs] = model(fields.input_ids, fields.positions, self.meta(fields, bs), kv_caches)
 
     def _bucket_summary(self) -> str:
         b = self.buckets

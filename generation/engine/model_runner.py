@@ -12,6 +12,7 @@ import torch
 
 from generation.config import EngineConfig, ModelConfig
 from generation.engine.cuda_graphs import DecodeGraphs
+from generation.engine.decode_inputs import DecodeInputs, block_table_rows
 from generation.engine.scheduler import ScheduledBatch
 from generation.layers.attention import AttentionMetadata, KVCache
 from generation.layers.paged_attention import attention_backend
@@ -38,6 +39,10 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64, rows of the hidden states that sample (one per `samples` entry)
+    # Pure-decode step: every row samples (logits_indices is 0..T-1), and the inputs sit in the
+    # packed decode buffer, laid out for a CUDA graph when `graph` is set.
+    is_decode: bool = False
+    graph: bool = False
 
 
 class ModelRunner:
@@ -85,6 +90,10 @@ class ModelRunner:
             num_tokens, self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GIB,
             self.dtype, self.max_model_len, num_tokens / self.max_model_len,
         )  # fmt: skip
+        # Pure-decode steps pack their inputs here: one host-to-device copy per step.
+        # Rows 0..n-1 of a decode step's hidden states all sample: a view of this, never a copy.
+        self._all_rows = torch.arange(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if attention_backend(self.device) != "triton":
@@ -92,8 +101,7 @@ class ModelRunner:
                 logger.warning("Triton is not available: attention runs the torch reference, without CUDA graphs")
             else:
                 with torch.inference_mode():
-                    self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
-                                               self.max_blocks_per_seq)  # fmt: skip
+                    self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_inputs)
 
     # ---------------------------------------------------------------------------------------------
     # A step
@@ -112,21 +120,32 @@ class ModelRunner:
         Returns:
             The sampled token ids, one per sampling entry.
         """
-        logits = self.compute_logits(batch)
+        logits = self._logits(batch)
         if logits.shape[0] == 0:
             return []
+        if all(p.is_greedy for p in params):
+            # Argmax in the head's dtype: widening to fp32 is exact, so the pick is the same
+            # without materialising [N, V] fp32 logits. One small device-to-host copy follows.
+            return logits.argmax(dim=-1).tolist()
         return sample(logits, params, generators).tolist()
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the batch (writing its KV) and return fp32 logits [N, V] of its sampling entries."""
+        return self._logits(batch).float()
+
+    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
         inputs = self.prepare_inputs(batch)
         hidden = self.forward(inputs)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        if not inputs.is_decode:
+            hidden = hidden[inputs.logits_indices]
+        return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Pack the entries' new tokens, positions, cache slots and block tables into device tensors."""
         assert not batch.is_empty
+        if all(e.is_decode for e in batch.entries) and len(batch.entries) <= self.decode_inputs.max_batch:
+            return self._prepare_decode(batch)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -170,13 +189,37 @@ class ModelRunner:
             logits_indices=self._to_device(logits_indices, torch.int64),
         )
 
+    def _prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
+        """Inputs of a pure-decode step, packed and sent with one copy (no per-field tensors)."""
+        n = len(batch.entries)
+        graph = self.graphs is not None and n <= self.graphs.max_batch_size
+        # A graph reads the layout of its bucket, padding rows included; eager runs take n rows.
+        rows = self.graphs.bucket(n) if graph and self.graphs is not None else n
+        width = self.decode_inputs.write(batch.entries, rows)
+        fields = self.decode_inputs.fields(rows)
+        if graph and self.graphs is not None:
+            meta = self.graphs.meta(fields, n)
+        else:
+            meta = AttentionMetadata(
+                is_prefill=False,
+                slot_mapping=fields.slot_mapping[:n],
+                context_lens=fields.context_lens[:n].to(torch.int32),
+                block_tables=block_table_rows(fields.block_columns, n, width),
+            )
+        return StepInputs(
+            input_ids=fields.input_ids[:n],
+            positions=fields.positions[:n],
+            meta=meta,
+            logits_indices=self._all_rows[:n],
+            is_decode=True,
+            graph=graph,
+        )
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, H] of a step: a CUDA graph replay for decodes that fit one, else eager."""
-        meta = inputs.meta
-        if self.graphs is not None and not meta.is_prefill and len(inputs.input_ids) <= self.graphs.max_batch_size:
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.context_lens,
-                                   meta.block_tables)  # fmt: skip
-        return self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches)
+        if inputs.graph and self.graphs is not None:
+            return self.graphs.replay(len(inputs.input_ids))
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def _to_device(self, data: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)

@@ -240,6 +240,8 @@ class Scheduler:
     def _reserve_next_block(self, seq: SeqState, scheduled: set[int], preempted: list[SeqState]) -> bool:
         """Make room for seq's pending token, preempting newer sequences; False if seq itself went."""
         manager = self.block_manager
+        if len(seq.block_table) * self.config.block_size >= seq.num_tokens:
+            return True  # the usual decode: its token lands in a block it already holds
         while not manager.can_append(seq):
             self._check_fits_pool(seq)
             # The newest running sequence not already in this step (seq itself at the latest).
