@@ -17,7 +17,14 @@ from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from permissions.identity import IdentityStore
 from permissions.models import Principal
 from rag.errors import ConfigError
-from rag.prompts import build_messages, canonical_order, citations_for, select_sources, trim_repetition
+from rag.prompts import (
+    build_messages,
+    canonical_order,
+    citations_for,
+    is_repeating,
+    select_sources,
+    trim_repetition,
+)
 from rag.settings import Settings, check_collection_name
 from rag.types import Answer
 from retrieval.catalog import Catalog
@@ -131,7 +138,7 @@ class Rag:
         answer, tokens = self._prepare(question, principal, collection, k, generate, rerank)
         if tokens is not None:
             t = time.perf_counter()
-            answer.text = trim_repetition("".join(tokens))
+            answer.text = trim_repetition(_collect_until_repeating(tokens))
             answer.timings["generate"] = time.perf_counter() - t
             answer.timings["total"] += answer.timings["generate"]
         return answer
@@ -193,3 +200,22 @@ class Rag:
         # The simple generator is not thread-safe; one generation at a time.
         with self._generate_lock:
             yield from self.llm.stream(prompt, params)
+
+
+def _collect_until_repeating(tokens: Iterator[str]) -> str:
+    """Join streamed pieces, stopping the generator once the answer loops on itself.
+
+    Closing the stream aborts the request, so a small model stuck in a loop does not burn
+    the rest of max_new_tokens on text that would be trimmed anyway.
+    """
+    text = ""
+    try:
+        for piece in tokens:
+            text += piece
+            if any(c in piece for c in ".!?\n") and is_repeating(text):
+                break
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+    return text

@@ -7,6 +7,7 @@ the question always comes last. Citation numbers follow that order.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from rag.types import Citation, Hit
@@ -56,21 +57,33 @@ def citations_for(sources: Sequence[Hit]) -> list[Citation]:
     ]
 
 
+def _sentences(text: str) -> list[str]:
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text.strip()) if s.strip()]
+
+
+def _key(sentence: str) -> str:
+    return " ".join(sentence.lower().split())
+
+
 def trim_repetition(text: str) -> str:
     """Cut an answer where it starts repeating a sentence it already said.
 
     Small greedy models fall into loops; a repeated sentence adds nothing for the reader.
     """
-    import re
-
     seen: set[str] = set()
     kept: list[str] = []
-    for sentence in re.split(r"(?<=[.!?])\s+|\n+", text.strip()):
-        key = " ".join(sentence.lower().split())
-        if not key:
-            continue
-        if key in seen:
+    for sentence in _sentences(text):
+        if _key(sentence) in seen:
             break
-        seen.add(key)
-        kept.append(sentence.strip())
+        seen.add(_key(sentence))
+        kept.append(sentence)
     return " ".join(kept)
+
+
+def is_repeating(text: str) -> bool:
+    """True once a finished sentence of `text` repeats an earlier one (generation can stop)."""
+    finished = _sentences(text)
+    if finished and not re.search(r"[.!?\n]\s*$", text):
+        finished = finished[:-1]  # the last sentence is still being written
+    keys = [_key(s) for s in finished]
+    return len(keys) != len(set(keys))

@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     # Reranked sources scoring below this are dropped before generation (None keeps all).
     # The default suits ms-marco cross-encoders, whose logits for unrelated text are far below 0.
     min_rerank_score: float | None = -5.0
-    max_new_tokens: int = Field(default=160, ge=1, le=8192)
+    max_new_tokens: int = Field(default=128, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)
     context_tokens: int = Field(default=1400, ge=64, description="budget for packed sources in the prompt")
     host: str = "127.0.0.1"

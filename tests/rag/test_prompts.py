@@ -38,3 +38,27 @@ def test_trim_repetition():
     assert trim_repetition(looped) == "Use gpu01. Ask first."
     assert trim_repetition("One. Two! Three?") == "One. Two! Three?"
     assert trim_repetition("") == ""
+
+
+def test_is_repeating_waits_for_finished_sentences():
+    from rag.prompts import is_repeating
+
+    assert not is_repeating("Use gpu01. Use gpu")
+    assert is_repeating("Use gpu01. Use gpu01.")
+    assert is_repeating("Use gpu01.\nAsk first.\nUse gpu01.\n")
+    assert not is_repeating("One. Two. Three.")
+
+
+def test_generation_stops_once_the_answer_loops():
+    from rag.pipeline import _collect_until_repeating
+
+    pulled = []
+
+    def pieces():
+        for p in ["Use ", "gpu01.", " Ask.", " Use gpu01.", " more", " and more", "."]:
+            pulled.append(p)
+            yield p
+
+    text = _collect_until_repeating(pieces())
+    assert text == "Use gpu01. Ask. Use gpu01."
+    assert len(pulled) == 4  # the generator was not drained past the loop
