@@ -54,10 +54,6 @@ class IngestReport:
     def ok(self) -> bool:
         return not self.problems
 
-    @property
-    def documents_seen(self) -> int:
-        return self.added + self.updated + self.unchanged + self.acl_updated + len(self.problems)
-
     def as_dict(self) -> dict:
         return {
             "ok": self.ok, "added": self.added, "updated": self.updated,

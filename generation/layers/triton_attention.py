@@ -225,6 +225,20 @@ def _prefill_kernel(
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
+def _prepare(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """Shared checks of both attention entry points: (q with unit head stride, empty output,
+    block_size, num_kv_heads, query heads per KV head)."""
+    num_heads = q.shape[1]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if q.stride(2) != 1:  # the kernels index the head dimension with stride 1
+        q = q.contiguous()
+    return q, torch.empty_like(q, memory_format=torch.contiguous_format), block_size, num_kv_heads, group
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -235,13 +249,8 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens to their cached prefix and each other (see paged_attention)."""
+    q, out, block_size, num_kv_heads, group = _prepare(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    assert group * num_kv_heads == num_heads and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -413,13 +422,8 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens."""
+    q, out, block_size, num_kv_heads, group = _prepare(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    assert group * num_kv_heads == num_heads and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     num_splits, tokens_per_split = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
