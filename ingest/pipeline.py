@@ -22,7 +22,7 @@ from ingest.parse import parse_item
 from ingest.sources import SourceItem, SourceProblem, scan_roots, walk_sources
 from rag.errors import IngestError
 from rag.types import Chunk, Document
-from retrieval.index import CollectionIndex
+from retrieval.base import CollectionStore
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Pending:
 class IngestPipeline:
     """Brings a collection in line with the sources under some paths."""
 
-    def __init__(self, index: CollectionIndex, embed: Callable[[Sequence[str]], np.ndarray],
+    def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray],
                  chunker: Chunker, batch_chunks: int = 256) -> None:
         self.index = index
         self.embed = embed
@@ -94,7 +94,7 @@ class IngestPipeline:
         with clock("scan"):
             roots = scan_roots(paths)
             items = list(walk_sources(roots))
-            stored = self.index.catalog.document_states(self.index.name)
+            stored = self.index.document_states()
         seen: set[str] = set()
         failed_files: set[str] = set()  # files with a bad part: keep their stored records
         pending: list[_Pending] = []

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from rag.cli_db import db_app
 from rag.errors import RagError
 
 app = typer.Typer(
@@ -24,12 +25,17 @@ keys_app = typer.Typer(help="API keys for `rag serve` (each stands for a user an
 users_app = typer.Typer(help="The user directory: which groups each user belongs to.",
                         no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+app.add_typer(db_app, name="db")
 app.add_typer(users_app, name="users")
 
 _state: dict[str, object] = {}
 
 Home = Annotated[Path | None, typer.Option("--home", help="data directory (default: RAG_HOME or ./.rag)")]
 Collection = Annotated[str | None, typer.Option("--collection", "-c", help="collection name (default: 'default')")]
+Store = Annotated[str | None, typer.Option(
+    "--store", help="where chunks live: faiss (default), faiss-hnsw, faiss-ivf, memory or pgvector")]
+Dsn = Annotated[str | None, typer.Option(
+    "--dsn", help="PostgreSQL URL for --store pgvector (default: the server of `rag db start`)")]
 
 
 def _err(message: str) -> None:
@@ -60,6 +66,8 @@ def ingest(
         help="files or directories to ingest (md, txt, html, pdf, docx, jsonl)")],
     collection: Collection = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+    store: Store = None,
+    dsn: Dsn = None,
 ) -> None:
     """Ingest documents with their permissions; re-running only redoes what changed.
 
@@ -71,7 +79,7 @@ def ingest(
     for p in paths:
         if not p.exists():
             raise RagError(f"path not found: {p}")
-    rag = _rag()
+    rag = _rag(store=store, dsn=dsn)
     started = time.perf_counter()
     show = sys.stderr.isatty() and not as_json
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -84,7 +92,7 @@ def ingest(
 
         report = rag.ingest(paths, collection, progress)
     elapsed = time.perf_counter() - started
-    stats = rag.catalog.collection_stats(rag.index(collection).name)
+    stats = rag.index(collection).stats()
     if as_json:
         out = report.as_dict() | {"collection": rag.index(collection).name,
                                   "wall_seconds": round(elapsed, 2), "collection_stats": stats}
@@ -118,11 +126,18 @@ def query(
     no_generate: Annotated[bool, typer.Option("--no-generate", help="retrieve and rerank only")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     collection: Collection = None,
+    mode: Annotated[str | None, typer.Option(
+        "--mode", help="retrieval: dense (embeddings), keyword (BM25 / full text) or hybrid "
+        "(both, fused; the default)")] = None,
+    no_rerank: Annotated[bool, typer.Option("--no-rerank", help="skip the cross-encoder")] = False,
+    store: Store = None,
+    dsn: Dsn = None,
 ) -> None:
     """Answer a question from the documents USER may read, with numbered citations."""
-    rag = _rag()
+    rag = _rag(store=store, dsn=dsn)
     principal = rag.principal(user, group or [])
-    answer = rag.query(question, principal, collection=collection, k=k, generate=not no_generate)
+    answer = rag.query(question, principal, collection=collection, k=k, generate=not no_generate,
+                       rerank=False if no_rerank else None, mode=mode)
     if as_json:
         typer.echo(json.dumps(answer_to_dict(answer, principal), indent=2))
         return
@@ -163,6 +178,8 @@ def _display_path(source: str) -> str:
 def serve(
     host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
+    store: Store = None,
+    dsn: Dsn = None,
 ) -> None:
     """Serve the query API (POST /v1/query with `Authorization: Bearer KEY`, GET /healthz)."""
     import uvicorn
@@ -170,20 +187,20 @@ def serve(
     from rag.api.app import create_app
     from rag.settings import load_settings
 
-    settings = load_settings(home=_state.get("home"), host=host, port=port)
+    settings = load_settings(home=_state.get("home"), host=host, port=port, store=store, dsn=dsn)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 
 @app.command("collections")
-def collections() -> None:
+def collections(store: Store = None, dsn: Dsn = None) -> None:
     """List collections with their document and chunk counts."""
-    rag = _rag()
-    names = rag.catalog.collection_names()
+    rag = _rag(store=store, dsn=dsn)
+    names = rag.collection_names()
     if not names:
         typer.echo("no collections yet: run `rag ingest PATH`")
     for name in names:
-        info = rag.catalog.get_collection(name)
-        stats = rag.catalog.collection_stats(name)
+        index = rag.index(name)
+        info, stats = index.info, index.stats()
         typer.echo(f"{name}: {stats['documents']} documents, {stats['chunks']} chunks, "
                    f"embedder {info.embedder} ({info.dim} dims)")
 

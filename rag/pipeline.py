@@ -29,11 +29,12 @@ from rag.settings import Settings, check_collection_name
 from rag.types import Answer
 from retrieval.catalog import Catalog
 from retrieval.index import CollectionIndex
-from retrieval.retriever import Retriever
+from retrieval.retriever import Retriever, check_mode
 
 if TYPE_CHECKING:
     from generation import LLM
     from ingest.embed import Embedder
+    from retrieval.base import CollectionStore
     from retrieval.rerank import CrossEncoderReranker
 
 
@@ -54,6 +55,10 @@ class Rag:
 
     def close(self) -> None:
         self.catalog.close()
+        for index in self._indexes.values():
+            close = getattr(index, "close", None)
+            if close is not None:
+                close()
         self.identity.close()
 
     # -- models (lazy: a query with --no-generate never loads the generator) ------------
@@ -82,26 +87,63 @@ class Rag:
 
     # -- collections ---------------------------------------------------------------------
 
-    def index(self, collection: str | None = None, create: bool = False) -> CollectionIndex:
-        """The index of a collection (NotFoundError if it does not exist and not `create`)."""
+    def index(self, collection: str | None = None, create: bool = False) -> CollectionStore:
+        """A collection's store (NotFoundError if it does not exist and not `create`).
+
+        The SQLite catalog + a Faiss/memory vector store, or PostgreSQL with pgvector when
+        `settings.store == "pgvector"`.
+        """
         name = check_collection_name(collection or self.settings.collection)
         with self._lock:
             if name in self._indexes:
                 return self._indexes[name]
+            chunking = None
             if create:
                 from ingest.chunk import ChunkingConfig
 
                 cfg = ChunkingConfig(self.settings.chunk_max_tokens,
                                      self.settings.chunk_overlap_tokens)
-                info = self.catalog.create_collection(
-                    name, self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
-                    {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens},
-                )
+                chunking = {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens}
+            index: CollectionStore
+            if self.settings.store == "pgvector":
+                from retrieval.stores import pgvector
+
+                if chunking is not None:
+                    index = pgvector.create_collection(
+                        self.dsn, name, self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
+                        chunking)
+                else:
+                    index = pgvector.open_collection(self.dsn, name)
             else:
-                info = self.catalog.get_collection(name)
-            index = CollectionIndex(self.catalog, info, self.settings.index_dir)
+                if chunking is not None:
+                    info = self.catalog.create_collection(
+                        name, self.embedder.name, self.embedder.fingerprint, self.embedder.dim, chunking)
+                else:
+                    info = self.catalog.get_collection(name)
+                index = CollectionIndex(self.catalog, info, self.settings.index_dir, self.settings.store)
             self._indexes[name] = index
             return index
+
+    @cached_property
+    def dsn(self) -> str:
+        """The PostgreSQL URL of the pgvector store: settings.dsn, else the local server."""
+        if self.settings.dsn:
+            return self.settings.dsn
+        from rag.db import local_dsn
+
+        dsn = local_dsn(self.settings.home)
+        if dsn is None:
+            raise ConfigError(
+                "store is pgvector but no PostgreSQL server is configured: run `rag db start` "
+                "for a local one, or pass --dsn postgresql://USER@HOST:PORT/DB (or set RAG_DSN)")
+        return dsn
+
+    def collection_names(self) -> list[str]:
+        if self.settings.store == "pgvector":
+            from retrieval.stores.pgvector import list_collections
+
+            return sorted(list_collections(self.dsn))
+        return self.catalog.collection_names()
 
     def ingest(self, paths: Sequence[Path], collection: str | None = None,
                progress: ProgressFn | None = None) -> IngestReport:
@@ -122,20 +164,25 @@ class Rag:
     # -- queries ---------------------------------------------------------------------------
 
     def retriever(self, collection: str | None = None, rerank: bool | None = None) -> Retriever:
-        """A retriever over a collection; the reranker is loaded only if it will be used."""
+        """A retriever over a collection; models are loaded only when they are used."""
         index = self.index(collection)  # first: an unknown collection fails before models load
         use_rerank = self.settings.rerank if rerank is None else rerank
-        return Retriever(index, self.embedder.embed_query, self.reranker if use_rerank else None)
+        return Retriever(index, lambda q: self.embedder.embed_query(q),
+                         self.reranker if use_rerank else None)
 
     def query(self, question: str, principal: Principal, collection: str | None = None,
-              k: int | None = None, generate: bool = True, rerank: bool | None = None) -> Answer:
+              k: int | None = None, generate: bool = True, rerank: bool | None = None,
+              mode: str | None = None) -> Answer:
         """Answer a question from what `principal` may read.
 
+        Args:
+            mode: retrieval legs, "dense", "keyword" or "hybrid" (default: settings.mode).
+
         Raises:
-            ConfigError: empty question or bad k.
+            ConfigError: empty question, bad k or unknown mode.
             NotFoundError: unknown collection.
         """
-        answer, tokens = self._prepare(question, principal, collection, k, generate, rerank)
+        answer, tokens = self._prepare(question, principal, collection, k, generate, rerank, mode)
         if tokens is not None:
             t = time.perf_counter()
             answer.text = trim_repetition(_collect_until_repeating(tokens))
@@ -144,15 +191,15 @@ class Rag:
         return answer
 
     def stream(self, question: str, principal: Principal, collection: str | None = None,
-               k: int | None = None) -> tuple[Answer, Iterator[str]]:
+               k: int | None = None, mode: str | None = None) -> tuple[Answer, Iterator[str]]:
         """Retrieval now, then an iterator of answer text pieces (generation is lazy)."""
-        answer, tokens = self._prepare(question, principal, collection, k, True, None)
+        answer, tokens = self._prepare(question, principal, collection, k, True, None, mode)
         if tokens is None:  # nothing relevant: the fixed answer is the whole stream
             return answer, iter([answer.text or ""])
         return answer, tokens
 
     def _prepare(self, question: str, principal: Principal, collection: str | None,
-                 k: int | None, generate: bool, rerank: bool | None,
+                 k: int | None, generate: bool, rerank: bool | None, mode: str | None,
                  ) -> tuple[Answer, Iterator[str] | None]:
         question = (question or "").strip()
         if not question:
@@ -164,7 +211,8 @@ class Rag:
         retriever = self.retriever(collection, rerank)
         result = retriever.retrieve(question, principal, k=k,
                                     candidates=max(k, self.settings.candidates),
-                                    rerank=retriever.reranker is not None)
+                                    rerank=retriever.reranker is not None,
+                                    mode=check_mode(mode or self.settings.mode))
         timings = dict(result.timings)
         answer = Answer(question=question, text=None, citations=[], hits=result.hits,
                         timings=timings)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +44,13 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(default=128, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)
     context_tokens: int = Field(default=1400, ge=64, description="budget for packed sources in the prompt")
+    # Where chunks live: "faiss" (exact, the embedded default), "faiss-hnsw" / "faiss-ivf"
+    # (approximate, for large collections), "memory" (nothing persisted but the catalog),
+    # or "pgvector" (a PostgreSQL server: `dsn`, or the local one of `rag db start`).
+    store: Literal["faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector"] = "faiss"
+    dsn: str | None = Field(default=None, description="PostgreSQL URL for store = pgvector")
+    # Retrieval legs: dense (embeddings), keyword (BM25 / full text) or hybrid (both, RRF).
+    mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
 

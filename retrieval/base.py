@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from rag.types import Hit
+from rag.types import Chunk, Document, Hit
+
+if TYPE_CHECKING:
+    from retrieval.catalog import ChunkRecord, CollectionInfo, DocumentState
 
 
 class VectorStore(Protocol):
@@ -27,8 +30,12 @@ class VectorStore(Protocol):
         """Remove ids; unknown ids are ignored."""
         ...
 
-    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]]:
-        """Top-k (id, score) among `allowed` ids, best first; fewer when fewer are allowed."""
+    def search(self, query: np.ndarray, k: int, allowed: np.ndarray, exact: bool = False
+               ) -> list[tuple[int, float]]:
+        """Top-k (id, score) among `allowed` ids, best first; fewer when fewer are allowed.
+
+        Approximate stores search exhaustively when `exact` is set.
+        """
         ...
 
     def count(self) -> int:
@@ -40,4 +47,68 @@ class Reranker(Protocol):
 
     def rerank(self, query: str, hits: Sequence[Hit], top_n: int | None = None) -> list[Hit]:
         """New hits with the reranker's score, best first; at most top_n when given."""
+        ...
+
+
+class CollectionStore(Protocol):
+    """One collection's documents, chunks, ACLs and vectors, searchable under an ACL filter.
+
+    The embedded default is the SQLite catalog + a Faiss/memory vector store
+    (`retrieval.index.CollectionIndex`); `retrieval.stores.pgvector.PgCollection` keeps all
+    of it in PostgreSQL. Ingest, the retriever and the contract suite only use this protocol.
+
+    `tokens` are a principal's ACL tokens (`permissions.policy.store_filter`): a chunk is
+    searchable when its document's ACL names at least one of them. The filter is applied
+    inside the search, so a principal who may read few chunks still gets up to k of them;
+    an empty token list matches nothing.
+    """
+
+    info: CollectionInfo  # name, embedder, fingerprint, dim, chunking
+
+    @property
+    def name(self) -> str: ...
+
+    # -- writes: each one is atomic (a crash leaves the old or the new document, never half)
+    def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
+                         vectors: np.ndarray) -> None: ...
+
+    def set_acl(self, key: str, acl: frozenset[str]) -> None:
+        """Change a document's ACL without touching its chunks or vectors (NotFoundError if absent)."""
+        ...
+
+    def delete_document(self, key: str) -> None:
+        """Delete a document and its chunks; an unknown key is a no-op."""
+        ...
+
+    def save(self) -> None:
+        """Make writes durable for other readers (Faiss file); a no-op where writes already are."""
+        ...
+
+    # -- reads
+    def refresh(self) -> bool:
+        """Pick up other writers' changes; True when something was reloaded."""
+        ...
+
+    def document_states(self) -> dict[str, DocumentState]: ...
+
+    def stats(self) -> dict[str, int]:
+        """{"documents": n, "chunks": n}."""
+        ...
+
+    def search(self, query: np.ndarray, k: int, tokens: Sequence[str],
+               exact: bool = False) -> list[tuple[int, float]]:
+        """Dense top-k (chunk id, inner product) among chunks `tokens` may read, best first.
+
+        `exact=True` asks for exhaustive search (the contract suite compares stores with it).
+        """
+        ...
+
+    def keyword_search(self, text: str, k: int, tokens: Sequence[str]) -> list[tuple[int, float]]:
+        """Keyword top-k (chunk id, score: higher is better) among readable chunks, best first."""
+        ...
+
+    def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]: ...
+
+    def dump(self) -> list[dict]:
+        """Canonical id-free rows (key, hash, acl, title, index, text, heading, vector)."""
         ...

@@ -1,9 +1,10 @@
-"""The SQLite catalog: collections, documents, chunks, their ACLs and vectors.
+"""The SQLite catalog: collections, documents, chunks, their ACLs, vectors and keyword index.
 
 SQLite is the source of truth of the embedded default. Vectors are kept here too (float32
 blobs), so a Faiss index file is only a cache that can always be rebuilt: a crash between
 a catalog commit and an index save loses nothing. Every write to a collection bumps its
-`version`, which names the index file that matches it.
+`version`, which names the index file that matches it. The FTS5 keyword index lives in the
+same file and is kept in step by triggers, so it commits or rolls back with the chunks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from rag.errors import NotFoundError, StoreError
 from rag.types import Chunk, Document
+from retrieval.keyword import fts5_match, query_terms
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS collections (
@@ -60,6 +62,32 @@ CREATE TABLE IF NOT EXISTS chunks (
 );
 CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id);
 """
+
+# The keyword index: an external-content FTS5 table over the chunks (no second copy of the
+# text), kept in step by triggers. Triggers rather than calls in replace_document and
+# _delete_document, because chunks also disappear through ON DELETE CASCADE and any future
+# write path would have to remember the index; a trigger runs inside the writing statement's
+# transaction, so an interrupted write leaves neither the chunks nor the index half-done.
+# Tokenizer: unicode61 splits identifiers at '-', '_' and '.', and fts5_match() quotes every
+# query term as a phrase, so `E-VCF-017` matches "e vcf 017" in order, whatever the
+# punctuation around it; porter folds "cancel"/"cancellation" and "nodes"/"node".
+KEYWORD_TABLE = "chunks_fts"
+KEYWORD_SCHEMA = (
+    "CREATE VIRTUAL TABLE chunks_fts USING fts5(text, heading, content='chunks',"
+    " content_rowid='id', tokenize='porter unicode61 remove_diacritics 2')",
+    "CREATE TRIGGER chunks_fts_insert AFTER INSERT ON chunks BEGIN"
+    " INSERT INTO chunks_fts (rowid, text, heading) VALUES (new.id, new.text, new.heading); END",
+    "CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN"
+    " INSERT INTO chunks_fts (chunks_fts, rowid, text, heading)"
+    " VALUES ('delete', old.id, old.text, old.heading); END",
+    "CREATE TRIGGER chunks_fts_update AFTER UPDATE OF text, heading ON chunks BEGIN"
+    " INSERT INTO chunks_fts (chunks_fts, rowid, text, heading)"
+    " VALUES ('delete', old.id, old.text, old.heading);"
+    " INSERT INTO chunks_fts (rowid, text, heading) VALUES (new.id, new.text, new.heading); END",
+)
+# bm25 column weights (text, heading): a term in a section heading says more about the chunk
+# than the same term in its body (the heading is also the first line of the text).
+KEYWORD_WEIGHTS = (1.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -117,6 +145,7 @@ class Catalog:
         try:
             self.conn = connect(path)
             self.conn.executescript(SCHEMA)
+            self._ensure_keyword_index()
         except sqlite3.DatabaseError as e:
             raise StoreError(f"cannot open catalog {path}: {e}; is it a RAG data directory?") from e
 
@@ -283,6 +312,34 @@ class Catalog:
         ).fetchall()
         return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
 
+    def keyword_search(
+        self, collection: str, text: str, k: int, tokens: Iterable[str]
+    ) -> list[tuple[int, float]]:
+        """BM25 top-k among the chunks whose document ACL names one of `tokens`.
+
+        The ACL and collection filters are part of the FTS query, so a principal who may read
+        few chunks still gets up to k of them however many unreadable chunks match better.
+        A chunk matches when it contains any term of `text` (see `keyword.query_terms`).
+
+        Returns:
+            (chunk id, score) best first, score = -bm25 (higher is better), ties by id;
+            [] when `tokens` is empty or `text` has no usable terms.
+        """
+        tokens = sorted(set(tokens))
+        terms = query_terms(text)
+        if not tokens or not terms or k <= 0:
+            return []
+        marks = ",".join("?" * len(tokens))
+        rows = self.conn.execute(
+            "SELECT f.rowid, -bm25(chunks_fts, ?, ?) AS score FROM chunks_fts f"
+            " JOIN chunks c ON c.id = f.rowid JOIN documents d ON d.id = c.document_id"
+            " WHERE chunks_fts MATCH ? AND d.collection = ? AND EXISTS (SELECT 1 FROM"
+            f" document_acl a WHERE a.document_id = d.id AND a.principal IN ({marks}))"
+            " ORDER BY score DESC, f.rowid LIMIT ?",
+            (*KEYWORD_WEIGHTS, fts5_match(terms), collection, *tokens, int(k)),
+        ).fetchall()
+        return [(int(r[0]), float(r[1])) for r in rows]
+
     def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
         """Chunks by id with their document's key, source, title and ACL."""
         out: dict[int, ChunkRecord] = {}
@@ -333,6 +390,32 @@ class Catalog:
         ]
 
     # -- internals ---------------------------------------------------------------------
+
+    def _ensure_keyword_index(self) -> None:
+        """Create the keyword index of a catalog made before it existed, and fill it.
+
+        Idempotent, and cheap when the index is already there (no write lock is taken, so
+        opening never waits behind a running ingest). A table made with other settings (an
+        older tokenizer) is dropped and rebuilt.
+        """
+        if self._keyword_table_sql() == KEYWORD_SCHEMA[0]:
+            return
+        with self._transaction():
+            if self._keyword_table_sql() == KEYWORD_SCHEMA[0]:
+                return  # another process made it while we waited for the lock
+            for trigger in ("chunks_fts_insert", "chunks_fts_delete", "chunks_fts_update"):
+                self.conn.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+            self.conn.execute(f"DROP TABLE IF EXISTS {KEYWORD_TABLE}")
+            for statement in KEYWORD_SCHEMA:
+                self.conn.execute(statement)
+            # Reads every row of `chunks` into the index (the backfill of an old catalog).
+            self.conn.execute(f"INSERT INTO {KEYWORD_TABLE} ({KEYWORD_TABLE}) VALUES ('rebuild')")
+
+    def _keyword_table_sql(self) -> str | None:
+        row = self.conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (KEYWORD_TABLE,)
+        ).fetchone()
+        return None if row is None else row[0]
 
     def _delete_document(self, collection: str, key: str) -> list[int]:
         row = self.conn.execute(

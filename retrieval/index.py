@@ -16,15 +16,20 @@ import numpy as np
 
 from rag.types import Chunk, Document
 from retrieval.base import VectorStore
-from retrieval.catalog import Catalog, CollectionInfo
-from retrieval.stores.faiss import FaissStore
-from retrieval.stores.memory import MemoryStore
+from retrieval.catalog import Catalog, ChunkRecord, CollectionInfo, DocumentState
+from retrieval.stores import load_store, make_store
+
+# Index file suffix per vector store kind ("faiss" keeps the name older data dirs used).
+_SUFFIX = {"faiss": "faiss", "faiss-hnsw": "hnsw", "faiss-ivf": "ivf"}
 
 log = logging.getLogger(__name__)
 
 
 class CollectionIndex:
-    """Writes go to the catalog first (one transaction per document), then to the store."""
+    """Writes go to the catalog first (one transaction per document), then to the store.
+
+    Implements `retrieval.base.CollectionStore` for the embedded default.
+    """
 
     def __init__(self, catalog: Catalog, info: CollectionInfo, index_dir: Path | None,
                  store_kind: str = "faiss") -> None:
@@ -49,7 +54,7 @@ class CollectionIndex:
             return False
         path = self._path(version)
         if path is not None and path.exists():
-            self.store = FaissStore.load(path, self.info.dim)
+            self.store = load_store(self.store_kind, path, self.info.dim)
             log.debug("loaded %s", path)
         else:
             ids, vectors = self.catalog.vectors(self.name)
@@ -61,14 +66,14 @@ class CollectionIndex:
 
     def save(self) -> None:
         """Persist the store under the current catalog version and drop older files."""
-        if self.index_dir is None or not isinstance(self.store, FaissStore):
+        if self._path(0) is None:
             return
         version = self.catalog.version(self.name)
         self.index_dir.mkdir(parents=True, exist_ok=True)
         path = self._path(version)
         assert path is not None
         self.store.save(path)
-        for old in self.index_dir.glob(f"{self.name}.v*.faiss"):
+        for old in self.index_dir.glob(f"{self.name}.v*.{_SUFFIX[self.store_kind]}"):
             if old != path:
                 old.unlink(missing_ok=True)
         self.loaded_version = version
@@ -93,14 +98,36 @@ class CollectionIndex:
         self.store.remove(np.asarray(removed, dtype=np.int64))
         self.loaded_version = self.catalog.version(self.name)
 
+    # -- reads -----------------------------------------------------------------------------
+
+    def document_states(self) -> dict[str, DocumentState]:
+        return self.catalog.document_states(self.name)
+
+    def stats(self) -> dict[str, int]:
+        return self.catalog.collection_stats(self.name)
+
+    def search(self, query: np.ndarray, k: int, tokens: Sequence[str],
+               exact: bool = False) -> list[tuple[int, float]]:
+        # The allow-list comes from the catalog's ACL table and goes into the vector search
+        # as an ID selector: chunks outside it are never scored.
+        allowed = self.catalog.allowed_chunk_ids(self.name, tokens)
+        return self.store.search(query, k, allowed, exact=exact)
+
+    def keyword_search(self, text: str, k: int, tokens: Sequence[str]) -> list[tuple[int, float]]:
+        return self.catalog.keyword_search(self.name, text, k, tokens)
+
+    def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
+        return self.catalog.chunk_records(ids)
+
+    def dump(self) -> list[dict]:
+        return self.catalog.dump(self.name)
+
     # -- internals -------------------------------------------------------------------------
 
     def _empty_store(self) -> VectorStore:
-        if self.store_kind == "memory":
-            return MemoryStore(self.info.dim)
-        return FaissStore(self.info.dim)
+        return make_store(self.store_kind, self.info.dim)
 
     def _path(self, version: int) -> Path | None:
-        if self.index_dir is None or self.store_kind != "faiss":
+        if self.index_dir is None or self.store_kind not in _SUFFIX:
             return None
-        return self.index_dir / f"{self.name}.v{version}.faiss"
+        return self.index_dir / f"{self.name}.v{version}.{_SUFFIX[self.store_kind]}"

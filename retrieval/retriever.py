@@ -1,4 +1,8 @@
-"""Permission-aware retrieval: embed the question, search only allowed chunks, rerank."""
+"""Permission-aware retrieval: a dense leg, a keyword leg, or both fused, then the reranker.
+
+Both legs search only what the principal may read (the filter runs inside each store's
+query), hits are post-checked against their stored ACL, and only then reranked.
+"""
 
 from __future__ import annotations
 
@@ -11,54 +15,72 @@ import numpy as np
 
 from permissions.models import Principal
 from permissions.policy import store_filter
+from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.index import CollectionIndex
+from retrieval.fusion import reciprocal_rank_fusion
 
 if TYPE_CHECKING:
-    from retrieval.base import Reranker
+    from retrieval.base import CollectionStore, Reranker
+
+MODES = ("dense", "keyword", "hybrid")
 
 
 @dataclass
 class RetrievalResult:
     hits: list[Hit]
     timings: dict[str, float] = field(default_factory=dict)
-    num_allowed: int = 0
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"unknown retrieval mode {mode!r}; choose one of: {', '.join(MODES)}")
+    return mode
 
 
 class Retriever:
-    """embed → search(filter = principal's ACL, inside the index) → post-check → rerank."""
+    """legs (dense / keyword, each filtered by the principal's ACL) → fuse → post-check → rerank."""
 
-    def __init__(self, index: CollectionIndex, embed_query: Callable[[str], np.ndarray],
+    def __init__(self, store: CollectionStore, embed_query: Callable[[str], np.ndarray],
                  reranker: Reranker | None = None) -> None:
-        self.index = index
+        self.store = store
         self.embed_query = embed_query
         self.reranker = reranker
 
-    def retrieve(self, question: str, principal: Principal, k: int = 5,
-                 candidates: int = 30, rerank: bool = True) -> RetrievalResult:
+    def retrieve(self, question: str, principal: Principal, k: int = 5, candidates: int = 30,
+                 rerank: bool = True, mode: str = "hybrid") -> RetrievalResult:
         """Top-k hits the principal may read, best first.
 
         Args:
             question: the user's question (non-empty).
             principal: who asks; only chunks whose ACL names them are searched.
             k: hits returned.
-            candidates: hits fetched from the vector search before reranking.
+            candidates: hits fetched from each leg before fusion and reranking.
             rerank: apply the cross-encoder (when one is configured).
+            mode: "dense" (embeddings), "keyword" (BM25 / full text) or "hybrid" (both,
+                fused by reciprocal rank).
         """
+        check_mode(mode)
         timings: dict[str, float] = {}
-        t = time.perf_counter()
-        self.index.refresh()
-        allowed = self.index.catalog.allowed_chunk_ids(self.index.name, store_filter(principal))
-        timings["acl_filter"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        query = self.embed_query(question)
-        timings["embed"] = time.perf_counter() - t
-
-        t = time.perf_counter()
+        tokens = sorted(store_filter(principal))
+        self.store.refresh()
         fetch = max(k, candidates if (rerank and self.reranker) else k)
-        found = self.index.store.search(query, fetch, allowed)
-        records = self.index.catalog.chunk_records([i for i, _ in found])
+
+        legs: list[list[tuple[int, float]]] = []
+        if mode in ("dense", "hybrid"):
+            t = time.perf_counter()
+            query = self.embed_query(question)
+            timings["embed"] = time.perf_counter() - t
+            t = time.perf_counter()
+            legs.append(self.store.search(query, fetch, tokens))
+            timings["search"] = time.perf_counter() - t
+        if mode in ("keyword", "hybrid"):
+            t = time.perf_counter()
+            legs.append(self.store.keyword_search(question, fetch, tokens))
+            timings["keyword"] = time.perf_counter() - t
+        found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=fetch)
+
+        t = time.perf_counter()
+        records = self.store.chunk_records([i for i, _ in found])
         hits = []
         for chunk_id, score in found:
             rec = records.get(chunk_id)
@@ -70,10 +92,10 @@ class Retriever:
                 chunk_index=rec.index, text=rec.text, score=score, heading=rec.heading,
                 title=rec.title, acl=rec.acl,
             ))
-        timings["search"] = time.perf_counter() - t
+        timings["fetch"] = time.perf_counter() - t
 
         if rerank and self.reranker is not None and hits:
             t = time.perf_counter()
             hits = self.reranker.rerank(question, hits, top_n=k)
             timings["rerank"] = time.perf_counter() - t
-        return RetrievalResult(hits=hits[:k], timings=timings, num_allowed=len(allowed))
+        return RetrievalResult(hits=hits[:k], timings=timings)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.pg_fixture"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")

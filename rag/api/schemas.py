@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -10,6 +12,8 @@ class QueryRequest(BaseModel):
     k: int = Field(default=5, ge=1, le=50, description="number of sources")
     generate: bool = Field(default=True, description="generate an answer, or retrieve only")
     collection: str | None = Field(default=None, description="collection (default: 'default')")
+    mode: Literal["dense", "keyword", "hybrid"] | None = Field(
+        default=None, description="retrieval legs (default: the server's setting, hybrid)")
 
 
 class CitationOut(BaseModel):

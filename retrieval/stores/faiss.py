@@ -19,6 +19,8 @@ class FaissStore:
     only ever scores allowed ids: a chunk the principal may not read never leaves the index.
     """
 
+    kind = "flat"
+
     def __init__(self, dim: int, index: faiss.Index | None = None) -> None:
         self.dim = dim
         self.index = index if index is not None else faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
@@ -38,7 +40,8 @@ class FaissStore:
         if len(ids):
             self.index.remove_ids(faiss.IDSelectorBatch(ids))
 
-    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]]:
+    def search(self, query: np.ndarray, k: int, allowed: np.ndarray, exact: bool = False
+               ) -> list[tuple[int, float]]:
         query = _check(query.reshape(1, -1), self.dim)
         allowed = np.ascontiguousarray(allowed, dtype=np.int64)
         if len(allowed) == 0 or k <= 0 or self.index.ntotal == 0:

@@ -23,7 +23,8 @@ class MemoryStore:
         for i in np.asarray(ids, dtype=np.int64):
             self._vectors.pop(int(i), None)
 
-    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]]:
+    def search(self, query: np.ndarray, k: int, allowed: np.ndarray, exact: bool = False
+               ) -> list[tuple[int, float]]:
         query = _check(query.reshape(1, -1), self.dim)[0]
         ids = [int(i) for i in np.asarray(allowed, dtype=np.int64) if int(i) in self._vectors]
         if not ids or k <= 0:

@@ -11,7 +11,7 @@ from retrieval.stores.faiss import FaissStore
 from retrieval.stores.memory import MemoryStore
 
 DIM = 16
-KINDS = ["memory", "faiss"]
+KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf"]
 
 
 def _unit(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from permissions.models import Principal
 from rag.prompts import build_messages, canonical_order
 
@@ -49,10 +51,12 @@ def _write_corpus(rng: random.Random, corpus) -> dict[str, frozenset[str]]:
     return secrets
 
 
-def test_random_acls_never_leak(tmp_path, rag_factory):
+@pytest.mark.parametrize("store", ["faiss", "faiss-hnsw", "pgvector"])
+def test_random_acls_never_leak(tmp_path, rag_factory, request, store):
     rng = random.Random(1234)
     secrets = _write_corpus(rng, tmp_path / "corpus")
-    rag = rag_factory(tmp_path / "home", max_new_tokens=24)
+    dsn = request.getfixturevalue("pg_dsn") if store == "pgvector" else None
+    rag = rag_factory(tmp_path / "home", max_new_tokens=24, store=store, dsn=dsn)
     report = rag.ingest([tmp_path / "corpus"])
     assert report.ok, report.problems
     assert report.added == 120
@@ -63,8 +67,10 @@ def test_random_acls_never_leak(tmp_path, rag_factory):
         k = rng.choice([1, 3, 5, 10, 50])
         # A few real generations and reranks (slow on CPU); every trial checks retrieval,
         # whose post-check runs before the reranker ever sees a hit.
-        generate = trial % 20 == 0
-        answer = rag.query(question, principal, k=k, generate=generate, rerank=trial % 6 == 0)
+        generate = trial % 20 == 0 and store == "faiss"
+        # every retrieval leg: the dense search, the keyword search and their fusion
+        mode = ("hybrid", "dense", "keyword")[trial % 3]
+        answer = rag.query(question, principal, k=k, generate=generate, rerank=trial % 6 == 0, mode=mode)
         readable = {s for s, acl in secrets.items() if principal.can_read(acl)}
         # The filter runs inside the search: when k exceeds what is readable, every
         # readable document comes back, and nothing else does.

@@ -12,4 +12,4 @@ router = APIRouter()
 
 @router.get("/healthz", response_model=Health)
 def healthz(rag: RagDep) -> Health:
-    return Health(status="ok", collections=rag.catalog.collection_names())
+    return Health(status="ok", collections=rag.collection_names())

@@ -15,7 +15,7 @@ def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep) -> QueryResp
     # A plain `def`: FastAPI runs it in a worker thread, so model inference doesn't block
     # the event loop.
     answer = rag.query(body.question, principal, collection=body.collection, k=body.k,
-                       generate=body.generate)
+                       generate=body.generate, mode=body.mode)
     return QueryResponse(
         question=answer.question,
         user=principal.user,

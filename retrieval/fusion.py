@@ -1,0 +1,52 @@
+"""Reciprocal rank fusion: one ranking from several (dense and keyword hits, say).
+
+RRF uses only ranks, so it needs no calibration between a cosine similarity and a BM25
+score, which live on unrelated scales (Cormack, Clarke and Büttcher, SIGIR 2009).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+RRF_K = 60  # the constant of the paper: damps the advantage of the very first ranks
+
+
+def reciprocal_rank_fusion(
+    rankings: Sequence[Sequence[tuple[int, float]]], k: int = RRF_K, limit: int | None = None
+) -> list[tuple[int, float]]:
+    """Fuse rankings of (id, score), each best first, by the sum of 1 / (k + rank).
+
+    Ranks start at 1; the input scores are ignored except through the order they gave. An
+    id found by one ranking only still gets that ranking's share. An id repeated within one
+    ranking counts at its best rank there (a store should not return it twice, but one
+    that does must not get a double vote).
+
+    Args:
+        rankings: any number of rankings, each a best-first list of (id, score).
+        k: the RRF constant, >= 0; larger values flatten the difference between ranks.
+        limit: return at most this many (all when None).
+
+    Returns:
+        (id, fused score) best first; equal scores in ascending id order, so the result
+        does not depend on the order of `rankings`.
+
+    Raises:
+        ValueError: k < 0 or limit < 0.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    shares: dict[int, list[float]] = {}
+    for ranking in rankings:
+        seen: set[int] = set()
+        for rank, (item, _) in enumerate(ranking, start=1):
+            if item in seen:
+                continue
+            seen.add(item)
+            shares.setdefault(item, []).append(1.0 / (k + rank))
+    # fsum is exactly rounded, so equal rank multisets give bit-equal scores whatever the
+    # order of the rankings, and the id tie-break then decides.
+    ordered = sorted(((item, math.fsum(s)) for item, s in shares.items()), key=lambda p: (-p[1], p[0]))
+    return ordered if limit is None else ordered[:limit]

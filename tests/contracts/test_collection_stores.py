@@ -1,0 +1,216 @@
+"""Contract suite at the collection level: every backend behaves like the numpy reference.
+
+Backends: the SQLite catalog with each vector store (memory = the reference, Faiss flat,
+HNSW, IVF) and PostgreSQL with pgvector (a real throwaway server). The reference answer is
+computed here from what was written, independently of any store: for a principal's tokens,
+the chunks of documents whose ACL names one of them, ranked by inner product.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from rag.errors import NotFoundError, StoreError
+from rag.types import Chunk, Document
+from retrieval.catalog import Catalog
+from retrieval.index import CollectionIndex
+
+DIM = 16
+CATALOG_KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf"]
+BACKENDS = [*CATALOG_KINDS, "pgvector"]
+GROUPS = [f"group:g{i}" for i in range(6)] + ["public", "user:alice", "user:bob"]
+
+
+def _open(kind: str, tmp_path, request):
+    if kind == "pgvector":
+        from retrieval.stores.pgvector import create_collection
+
+        dsn = request.getfixturevalue("pg_dsn")
+        return create_collection(dsn, "contract", "test-embedder", "fp-1", DIM,
+                                 {"max_tokens": 64, "overlap_tokens": 0})
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    info = catalog.create_collection("contract", "test-embedder", "fp-1", DIM,
+                                     {"max_tokens": 64, "overlap_tokens": 0})
+    return CollectionIndex(catalog, info, tmp_path / "indexes", kind)
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path):
+    return _open(request.param, tmp_path, request)
+
+
+class Corpus:
+    """What was written, kept independently of the store to compute reference answers."""
+
+    def __init__(self, store, seed: int = 0) -> None:
+        self.store = store
+        self.rng = np.random.default_rng(seed)
+        self.docs: dict[str, tuple[frozenset[str], list[str], np.ndarray]] = {}
+
+    def write(self, key: str, n_chunks: int, acl: frozenset[str] | None = None,
+              texts: list[str] | None = None) -> None:
+        if acl is None:
+            acl = frozenset(self.rng.choice(GROUPS, size=int(self.rng.integers(1, 3)), replace=False).tolist())
+        texts = texts or [f"{key} part {i} " + " ".join(self.rng.choice(WORDS, size=8).tolist())
+                          for i in range(n_chunks)]
+        vecs = self.rng.standard_normal((len(texts), DIM)).astype(np.float32)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        body = "\n".join(texts)
+        doc = Document(key=key, source=f"/lab/{key}.md", text=body,
+                       content_hash=hashlib.sha256(body.encode()).hexdigest(), acl=acl, title=key)
+        chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=len(t.split()))
+                  for i, t in enumerate(texts)]
+        self.store.replace_document(doc, acl, chunks, vecs)
+        self.docs[key] = (acl, texts, vecs)
+
+    def set_acl(self, key: str, acl: frozenset[str]) -> None:
+        self.store.set_acl(key, acl)
+        self.docs[key] = (acl, *self.docs[key][1:])
+
+    def delete(self, key: str) -> None:
+        self.store.delete_document(key)
+        self.docs.pop(key, None)
+
+    def expected(self, query: np.ndarray, k: int, tokens) -> list[tuple[tuple[str, int], float]]:
+        rows = []
+        for key, (acl, _, vecs) in self.docs.items():
+            if acl & set(tokens):
+                rows += [((key, i), float(v @ query)) for i, v in enumerate(vecs)]
+        rows.sort(key=lambda r: -r[1])
+        return rows[:k]
+
+    def located(self, hits: list[tuple[int, float]]) -> list[tuple[tuple[str, int], float]]:
+        records = self.store.chunk_records([i for i, _ in hits])
+        return [((records[i].document_key, records[i].index), s) for i, s in hits]
+
+
+WORDS = ["sample", "buffer", "freezer", "cluster", "node", "queue", "protocol", "reagent",
+         "microscope", "sequencer", "storage", "backup", "quota", "partition", "pipeline"]
+
+
+def _query(rng) -> np.ndarray:
+    q = rng.standard_normal(DIM).astype(np.float32)
+    return q / np.linalg.norm(q)
+
+
+def _assert_same(got, want) -> None:
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert np.allclose([g[1] for g in got], [w[1] for w in want], atol=1e-4)
+
+
+def test_exact_filtered_topk_matches_reference(store):
+    corpus = Corpus(store)
+    for d in range(60):
+        corpus.write(f"doc{d:02d}", int(corpus.rng.integers(1, 5)))
+    rng = np.random.default_rng(1)
+    for trial in range(25):
+        tokens = rng.choice(GROUPS, size=int(rng.integers(1, 4)), replace=False).tolist()
+        q, k = _query(rng), int(rng.integers(1, 25))
+        got = corpus.located(store.search(q, k, tokens, exact=True))
+        _assert_same(got, corpus.expected(q, k, tokens))
+        # the default (possibly approximate) path never returns anything outside the filter
+        for (key, _), _ in corpus.located(store.search(q, k, tokens)):
+            assert corpus.docs[key][0] & set(tokens), trial
+
+
+def test_replace_delete_and_stats(store):
+    corpus = Corpus(store, seed=2)
+    corpus.write("a", 4, frozenset({"public"}))
+    corpus.write("b", 2, frozenset({"public"}))
+    assert store.stats() == {"documents": 2, "chunks": 6}
+    corpus.write("a", 1, frozenset({"public"}))  # re-ingest with fewer chunks: old ones go
+    assert store.stats() == {"documents": 2, "chunks": 3}
+    q = _query(np.random.default_rng(3))
+    got = corpus.located(store.search(q, 10, ["public"], exact=True))
+    assert sorted(loc for loc, _ in got) == [("a", 0), ("b", 0), ("b", 1)]
+    _assert_same(got, corpus.expected(q, 10, ["public"]))
+    corpus.delete("a")
+    corpus.delete("never-there")  # no-op
+    assert store.stats() == {"documents": 1, "chunks": 2}
+    assert set(store.document_states()) == {"b"}
+    assert {loc[0] for loc, _ in corpus.located(store.search(q, 10, ["public"]))} == {"b"}
+
+
+def test_acl_change_moves_visibility_without_touching_vectors(store):
+    corpus = Corpus(store, seed=4)
+    corpus.write("secret", 3, frozenset({"group:g1"}))
+    corpus.write("open", 2, frozenset({"public"}))
+    before = {(r["key"], r["index"]): r["vector"] for r in store.dump()}
+    q = _query(np.random.default_rng(5))
+    assert {loc[0] for loc, _ in corpus.located(store.search(q, 10, ["group:g2", "public"]))} == {"open"}
+    corpus.set_acl("secret", frozenset({"group:g2"}))
+    assert {loc[0] for loc, _ in corpus.located(store.search(q, 10, ["group:g2", "public"]))} == {"secret", "open"}
+    assert store.search(q, 10, ["group:g1"]) == []
+    assert store.document_states()["secret"].acl == frozenset({"group:g2"})
+    after = {(r["key"], r["index"]): r["vector"] for r in store.dump()}
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    with pytest.raises(NotFoundError):
+        store.set_acl("missing", frozenset({"public"}))
+
+
+def test_empty_collection_and_empty_filter(store):
+    q = _query(np.random.default_rng(6))
+    assert store.stats() == {"documents": 0, "chunks": 0}
+    assert store.search(q, 5, ["public"]) == []
+    assert store.keyword_search("freezer", 5, ["public"]) == []
+    corpus = Corpus(store, seed=7)
+    corpus.write("a", 3, frozenset({"public"}))
+    # an empty filter means "nothing", never "everything"
+    assert store.search(q, 5, []) == []
+    assert store.keyword_search("freezer sample node", 5, []) == []
+
+
+def test_k_larger_than_allowed_returns_all_allowed(store):
+    corpus = Corpus(store, seed=8)
+    for d in range(30):
+        corpus.write(f"d{d}", 3, frozenset({"group:g0"}))
+    corpus.write("mine", 2, frozenset({"user:alice"}))
+    q = _query(np.random.default_rng(9))
+    got = corpus.located(store.search(q, 50, ["user:alice"]))
+    assert sorted(loc for loc, _ in got) == [("mine", 0), ("mine", 1)]
+
+
+def test_dimension_mismatch_is_a_clear_error(store):
+    doc = Document(key="x", source="/x", text="x", content_hash="h", acl=frozenset({"public"}))
+    chunk = Chunk(document_key="x", index=0, text="x", num_tokens=1)
+    with pytest.raises(StoreError, match=str(DIM)):
+        store.replace_document(doc, frozenset({"public"}), [chunk], np.ones((1, DIM + 3), dtype=np.float32))
+    assert store.stats()["documents"] == 0  # nothing half-written
+    with pytest.raises(StoreError):
+        store.search(np.ones(DIM + 1, dtype=np.float32), 3, ["public"])
+
+
+def test_keyword_search_is_filtered_inside_the_query(store):
+    corpus = Corpus(store, seed=10)
+    # Many unreadable chunks match the identifier strongly; three readable ones weakly.
+    for d in range(40):
+        corpus.write(f"hidden{d}", 1, frozenset({"group:g5"}),
+                     texts=["QOSMaxGRESPerJob QOSMaxGRESPerJob error on gpu-a100-03"])
+    for d in range(3):
+        corpus.write(f"mine{d}", 1, frozenset({"user:bob"}),
+                     texts=[f"a long note about many things {d}, once mentioning QOSMaxGRESPerJob "
+                            "among storage quota backup partition pipeline words"])
+    got = corpus.located(store.keyword_search("Why QOSMaxGRESPerJob?", 5, ["user:bob", "public"]))
+    assert sorted(loc[0] for loc, _ in got) == ["mine0", "mine1", "mine2"]
+    assert all(s1 >= s2 for (_, s1), (_, s2) in zip(got, got[1:], strict=False))
+    assert len(store.keyword_search("QOSMaxGRESPerJob", 5, ["group:g5"])) == 5
+    assert store.keyword_search("QOSMaxGRESPerJob", 5, ["group:g0"]) == []
+    # query syntax is never interpreted: these are just words
+    for nasty in ['"QOSMaxGRESPerJob" OR NOT x*', "NEAR(a b", "' ; DROP TABLE x; --", "&|!():*"]:
+        for (key, _), _ in corpus.located(store.keyword_search(nasty, 10, ["user:bob"])):
+            assert key.startswith("mine")
+
+
+def test_chunk_records_carry_what_hits_need(store):
+    corpus = Corpus(store, seed=11)
+    corpus.write("rec", 2, frozenset({"group:g3", "user:alice"}), texts=["first text", "second text"])
+    hits = store.search(_query(np.random.default_rng(12)), 2, ["user:alice"])
+    records = store.chunk_records([i for i, _ in hits])
+    assert {r.text for r in records.values()} == {"first text", "second text"}
+    for r in records.values():
+        assert r.document_key == "rec" and r.source == "/lab/rec.md" and r.title == "rec"
+        assert r.acl == frozenset({"group:g3", "user:alice"})

@@ -1,0 +1,86 @@
+"""HNSW and IVF stores beyond the exact path: approximate search, removal, retraining, files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rag.errors import StoreError
+from retrieval.stores import load_store, make_store
+from retrieval.stores.faiss_ann import EXACT_BELOW
+from retrieval.stores.memory import MemoryStore
+
+DIM = 32
+N = EXACT_BELOW + 2000  # large enough that broad allow-lists take the approximate path
+
+
+def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
+    v = rng.standard_normal((n, DIM)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(7)
+    ids = rng.choice(10**9, size=N, replace=False).astype(np.int64)
+    return ids, _unit(rng, N), _unit(rng, 20)
+
+
+@pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-ivf"])
+def test_broad_filter_recall_and_full_k(kind, data):
+    ids, vecs, queries = data
+    store, ref = make_store(kind, DIM), MemoryStore(DIM)
+    store.add(ids, vecs)
+    ref.add(ids, vecs)
+    rng = np.random.default_rng(8)
+    allowed = np.sort(rng.choice(ids, size=EXACT_BELOW + 1000, replace=False))
+    recall = []
+    for q in queries:
+        got = store.search(q, 10, allowed)
+        want = ref.search(q, 10, allowed)
+        assert len(got) == 10
+        assert {i for i, _ in got} <= set(allowed.tolist())
+        recall.append(len({i for i, _ in got} & {i for i, _ in want}) / 10)
+        # exact mode is exhaustive: identical to the reference
+        assert [i for i, _ in store.search(q, 10, allowed, exact=True)] == [i for i, _ in want]
+    assert np.mean(recall) >= 0.9
+
+
+@pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-ivf"])
+def test_remove_replace_compact_and_reload(kind, data, tmp_path):
+    ids, vecs, queries = data
+    store = make_store(kind, DIM)
+    store.add(ids, vecs)
+    gone = ids[: N // 2 + 1500]  # enough dead rows to trigger a compaction
+    store.remove(gone)
+    assert store.count() == N - len(gone)
+    live = ids[len(gone):]
+    allowed = np.concatenate([gone[:100], live])
+    for q in queries[:5]:
+        got = store.search(q, 10, allowed)
+        assert not ({i for i, _ in got} & set(gone.tolist()))
+        assert len(got) == 10
+    # replacing a vector moves its id to the new vector
+    target = int(live[0])
+    store.add(np.array([target]), queries[:1])
+    assert store.search(queries[0], 1, live)[0][0] == target
+    path = tmp_path / f"x.{kind}"
+    store.save(path)
+    loaded = load_store(kind, path, DIM)
+    assert loaded.count() == store.count()
+    for q in queries[:5]:
+        assert loaded.search(q, 10, live, exact=True) == store.search(q, 10, live, exact=True)
+    with pytest.raises(StoreError, match="cannot read"):
+        (tmp_path / "bad").write_bytes(b"nope")
+        load_store(kind, tmp_path / "bad", DIM)
+
+
+def test_ivf_trains_once_big_enough_and_retrains_as_it_grows(data):
+    ids, vecs, _ = data
+    store = make_store("faiss-ivf", DIM)
+    store.add(ids[:500], vecs[:500])
+    assert not store.index.is_trained  # too few rows: exhaustive search only
+    store.add(ids[500:1500], vecs[500:1500])
+    assert store.index.is_trained and store.trained_on == 1500
+    store.add(ids[1500:], vecs[1500:])  # more than 4x: re-trained with more lists
+    assert store.trained_on == N and store.index.ntotal == N
