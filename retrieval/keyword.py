@@ -7,6 +7,8 @@ User text never reaches a query parser as syntax: every term becomes a quoted ph
 
 from __future__ import annotations
 
+import math
+import re
 import unicodedata
 from collections.abc import Iterable
 
@@ -106,3 +108,43 @@ def fts5_match(terms: Iterable[str]) -> str:
     if not phrases:
         raise ValueError("no keyword terms: check query_terms(text) is non-empty before searching")
     return " OR ".join(phrases)
+
+
+def bm25_over_readable(matches: dict[str, set[int]], chunks: dict[int, tuple[float, str, str | None]],
+                       num_readable: int, avg_length: float, k: int, k1: float = 1.2, b: float = 0.75,
+                       heading_weight: float = 2.0) -> list[tuple[int, float]]:
+    """BM25 whose statistics come only from chunks the caller may read.
+
+    FTS5's own bm25() takes IDF and average length from the whole table, every ACL included,
+    so a score (or even the order of two readable chunks) would say how common a term is in
+    text the caller may not read. Here document frequency, collection size and average length
+    are counted over the readable chunks alone, so rankings depend on nothing else. Term
+    frequency is counted in the chunk's text (an occurrence in its heading counts
+    `heading_weight` times); FTS5 decided that the chunk matches (stemming included), so it
+    counts at least once.
+
+    Args:
+        matches: term -> ids of readable chunks that contain it.
+        chunks: chunk id -> (length in tokens, text, heading) of every chunk in `matches`.
+        num_readable: number of readable chunks in the collection.
+        avg_length: their mean length.
+    Returns:
+        (chunk id, score) best first, ties by smaller id, at most k.
+    """
+    n = max(num_readable, 1)
+    avg = avg_length if avg_length > 0 else 1.0
+    parts: dict[int, list[float]] = {}
+    for term, ids in matches.items():
+        if not ids:
+            continue
+        idf = math.log(1.0 + (n - len(ids) + 0.5) / (len(ids) + 0.5))
+        pattern = re.compile(r"(?<!\w)" + re.escape(term), re.IGNORECASE)
+        for cid in ids:
+            length, text, heading = chunks[cid]
+            tf = len(pattern.findall(text)) + heading_weight * len(pattern.findall(heading or ""))
+            tf = max(tf, 1.0)
+            norm = 1.0 - b + b * length / avg
+            parts.setdefault(cid, []).append(idf * tf * (k1 + 1.0) / (tf + k1 * norm))
+    # fsum: the same terms summed in another order give the same float, so ties stay ties
+    scores = {cid: math.fsum(p) for cid, p in parts.items()}
+    return sorted(scores.items(), key=lambda item: (-item[1], item[0]))[:k]

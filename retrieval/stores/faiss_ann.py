@@ -39,12 +39,51 @@ class _AnnStore:
 
     def __init__(self, dim: int) -> None:
         self.dim = dim
-        self._vecs = np.empty((0, dim), dtype=np.float32)
-        self._ext = np.empty(0, dtype=np.int64)  # label -> external id
-        self._live = np.empty(0, dtype=bool)
+        # Row tables in buffers that grow by doubling (rows [0, _n) are used): ingest adds one
+        # document at a time, and re-concatenating would copy the whole matrix on every add.
+        self._n = 0
+        self._vbuf = np.empty((0, dim), dtype=np.float32)
+        self._ebuf = np.empty(0, dtype=np.int64)  # label -> external id
+        self._lbuf = np.empty(0, dtype=bool)  # label -> still live
         self._label_of: dict[int, int] = {}
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (live ext ids sorted, their labels)
         self.index = self._new_index(0)
+
+    @property
+    def _vecs(self) -> np.ndarray:
+        return self._vbuf[:self._n]
+
+    @_vecs.setter
+    def _vecs(self, rows: np.ndarray) -> None:
+        self._vbuf = np.ascontiguousarray(rows, dtype=np.float32)
+        self._n = len(rows)
+
+    @property
+    def _ext(self) -> np.ndarray:
+        return self._ebuf[:self._n]
+
+    @_ext.setter
+    def _ext(self, ids: np.ndarray) -> None:
+        self._ebuf = np.asarray(ids, dtype=np.int64)
+
+    @property
+    def _live(self) -> np.ndarray:
+        return self._lbuf[:self._n]
+
+    @_live.setter
+    def _live(self, live: np.ndarray) -> None:
+        self._lbuf = np.asarray(live, dtype=bool)
+
+    def _grow(self, extra: int) -> None:
+        need = self._n + extra
+        if need <= len(self._vbuf):
+            return
+        cap = max(need, 2 * len(self._vbuf), 1024)
+        for name in ("_vbuf", "_ebuf", "_lbuf"):
+            old = getattr(self, name)
+            new = np.empty((cap, *old.shape[1:]), dtype=old.dtype)
+            new[:self._n] = old[:self._n]
+            setattr(self, name, new)
 
     # -- subclass hooks --------------------------------------------------------------------
 
@@ -73,11 +112,13 @@ class _AnnStore:
         keep = np.sort(len(ids) - 1 - last)
         ids, vectors = ids[keep], np.ascontiguousarray(vectors[keep])
         self.remove(ids)
-        start = len(self._ext)
-        labels = np.arange(start, start + len(ids), dtype=np.int64)
-        self._vecs = np.concatenate([self._vecs, vectors])
-        self._ext = np.concatenate([self._ext, ids])
-        self._live = np.concatenate([self._live, np.ones(len(ids), dtype=bool)])
+        start, m = self._n, len(ids)
+        labels = np.arange(start, start + m, dtype=np.int64)
+        self._grow(m)
+        self._vbuf[start:start + m] = vectors
+        self._ebuf[start:start + m] = ids
+        self._lbuf[start:start + m] = True
+        self._n += m
         self._label_of.update(zip(ids.tolist(), labels.tolist(), strict=True))
         self._sorted = None
         self._after_add(labels, vectors)
@@ -102,8 +143,9 @@ class _AnnStore:
         if len(labels) == 0 or k <= 0:
             return []  # an empty allow-list must never mean "no filter"
         want = min(k, len(labels))
-        if exact or len(labels) <= EXACT_BELOW or self.index.ntotal == 0:
+        if exact or len(labels) <= EXACT_BELOW or len(self._label_of) == 0:
             return self._exact(query[0], want, labels)
+        self._sync()
         hits = self._ann_search(query, want, labels, widen=len(self._label_of) / len(labels))
         if len(hits) < want:
             return self._exact(query[0], want, labels)
@@ -113,6 +155,7 @@ class _AnnStore:
 
     def save(self, path: Path) -> None:
         """One file holding the index and the label tables; written atomically."""
+        self._sync()
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "wb") as f:
             np.savez(f, kind=np.array(self.kind), index=faiss.serialize_index(self.index),
@@ -141,7 +184,13 @@ class _AnnStore:
     # -- internals -------------------------------------------------------------------------
 
     def _after_add(self, labels: np.ndarray, vectors: np.ndarray) -> None:
-        self.index.add(vectors)
+        pass  # rows reach the index in _sync, in one batch
+
+    def _sync(self) -> None:
+        """Insert rows added since the last sync: one big add is parallel, many small ones are not."""
+        start = self.index.ntotal
+        if start < len(self._vecs):
+            self.index.add(self._vecs[start:])
 
     def _labels_for(self, allowed: np.ndarray) -> np.ndarray:
         """Live labels of the allowed external ids (unknown ids ignored), ascending."""
@@ -170,8 +219,9 @@ class _AnnStore:
 
     def _compact(self) -> None:
         live = np.flatnonzero(self._live)
-        self._vecs = np.ascontiguousarray(self._vecs[live])
-        self._ext = self._ext[live]
+        vecs, ext = self._vecs[live], self._ext[live]  # before _n changes with the first setter
+        self._vecs = vecs
+        self._ext = ext
         self._live = np.ones(len(live), dtype=bool)
         self._label_of = dict(zip(self._ext.tolist(), range(len(live)), strict=True))
         self._sorted = None
@@ -228,6 +278,9 @@ class IvfStore(_AnnStore):
             self.index.add_with_ids(vectors, labels)
         elif self.count() >= self.MIN_TRAIN:
             self._compact()  # (re)train on everything we have
+
+    def _sync(self) -> None:
+        pass  # IVF adds go straight to their lists (cheap per batch)
 
     def remove(self, ids: np.ndarray) -> None:
         labels = [self._label_of[int(i)] for i in np.asarray(ids, dtype=np.int64) if int(i) in self._label_of]

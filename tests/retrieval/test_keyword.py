@@ -333,3 +333,15 @@ def test_opening_an_up_to_date_catalog_does_not_wait_for_a_writer(tmp_path):
         writer.execute("ROLLBACK")
         writer.close()
     thread.join(timeout=35)
+
+
+def test_scores_and_order_ignore_unreadable_chunks(catalog):
+    """BM25 statistics come from readable chunks only: hidden text changes nothing a reader sees."""
+    _put(catalog, "a", ["the alpha protocol for buffers"], {"user:bob"})
+    _put(catalog, "b", ["the beta protocol for buffers"], {"user:bob"})
+    before = catalog.keyword_search("docs", "alpha beta", 5, ["user:bob"])
+    for i in range(60):  # many hidden chunks with "alpha": global IDF of alpha would collapse
+        _put(catalog, f"hidden{i}", [f"alpha alpha note {i}"], {"group:secret"})
+    after = catalog.keyword_search("docs", "alpha beta", 5, ["user:bob"])
+    assert after == before
+    assert len(catalog.keyword_search("docs", "alpha", 100, ["group:secret"])) == 60
