@@ -186,6 +186,10 @@ class _AnnStore:
     def _after_add(self, labels: np.ndarray, vectors: np.ndarray) -> None:
         pass  # rows reach the index in _sync, in one batch
 
+    def sync(self) -> None:
+        """Bring the index up to date now (otherwise the next search or save does it)."""
+        self._sync()
+
     def _sync(self) -> None:
         """Insert rows added since the last sync: one big add is parallel, many small ones are not."""
         start = self.index.ntotal
@@ -205,6 +209,15 @@ class _AnnStore:
         pos = np.clip(pos, 0, len(ext_sorted) - 1)
         found = ext_sorted[pos] == allowed
         return np.unique(labels[pos[found]])
+
+    def _selector(self, labels: np.ndarray) -> faiss.IDSelector:
+        """A bitmap over labels: built in O(rows / 8) with numpy, where IDSelectorBatch hashes each id."""
+        mask = np.zeros(self._n, dtype=bool)
+        mask[labels] = True
+        bits = np.packbits(mask, bitorder="little")  # Faiss reads bit (i & 7) of byte i >> 3
+        selector = faiss.IDSelectorBitmap(self._n, faiss.swig_ptr(bits))
+        selector.keep_alive = bits  # the selector points into this buffer
+        return selector
 
     def _exact(self, query: np.ndarray, k: int, labels: np.ndarray) -> list[tuple[int, float]]:
         scores = self._vecs[labels] @ query
@@ -252,7 +265,7 @@ class HnswStore(_AnnStore):
         # A filter that keeps a fraction f of the graph needs roughly 1/f more candidates
         # visited to collect the same number of allowed ones.
         ef = int(min(1024, max(self.ef_search, 2 * k) * min(widen, 64.0)))
-        params = faiss.SearchParametersHNSW(efSearch=ef, sel=faiss.IDSelectorBatch(labels))
+        params = faiss.SearchParametersHNSW(efSearch=ef, sel=self._selector(labels))
         scores, found = self.index.search(query, k, params=params)
         return self._finish(scores[0], found[0])
 
@@ -306,7 +319,7 @@ class IvfStore(_AnnStore):
         # textbook examples, and recall collapses with a handful of probes.
         base = max(self.nprobe, self.index.nlist // 3)
         nprobe = int(min(self.index.nlist, base * max(1.0, math.sqrt(widen))))
-        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=faiss.IDSelectorBatch(labels))
+        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=self._selector(labels))
         scores, found = self.index.search(query, k, params=params)
         return self._finish(scores[0], found[0])
 

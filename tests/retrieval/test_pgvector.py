@@ -203,7 +203,8 @@ def test_iterative_scan_returns_k_hits_for_a_1_percent_principal(pg_dsn):
     forced = make_conninfo(pg_dsn, options="-c enable_seqscan=off -c enable_bitmapscan=off")
     rng = np.random.default_rng(5)
     dim, docs, per_doc = 16, 200, 10
-    coll = create_collection(forced, "big", "test-embedder", "fp-1", dim, {}, ef_search=20)
+    # exact_below=0: never take the exact shortcut for selective filters, test the graph scan
+    coll = create_collection(forced, "big", "test-embedder", "fp-1", dim, {}, ef_search=20, exact_below=0)
     rare: list[int] = []
     for d in range(docs):
         acl = {"user:rare"} if d % 100 == 7 else {"group:all"}  # 1% of the 2,000 chunks
@@ -222,10 +223,16 @@ def test_iterative_scan_returns_k_hits_for_a_1_percent_principal(pg_dsn):
     coll.close()
 
     # An iterative scan cut short falls back to the exact search: still k hits.
-    short = open_collection(forced, "big", ef_search=20, max_scan_tuples=50)
+    short = open_collection(forced, "big", ef_search=20, max_scan_tuples=50, exact_below=0)
     assert short.search(q, 10, ["user:rare"]) == exact
     assert short.num_fallbacks == 1
     short.close()
+
+    # By default a principal who may read this few chunks is answered exactly, without the graph.
+    default = open_collection(forced, "big", ef_search=20)
+    assert default.search(q, 10, ["user:rare"]) == exact
+    assert default.num_fallbacks == 0
+    default.close()
 
 
 # -- keyword search --------------------------------------------------------------------
