@@ -1,33 +1,48 @@
 """Ingest: walk → (skip unchanged) → parse → chunk → embed (batched) → write; incremental.
 
 Each document is written in its own catalog transaction, so an interrupted run keeps every
-document it finished and the previous version of the one it was on. A source that fails
-(corrupt, binary, unreadable...) is reported with its reason and leaves its stored version,
-if any, untouched; only documents that are really gone from an ingested root are deleted.
+document it finished and the previous version of the one it was on. The catalog is the
+checkpoint: a re-run skips what is done by content hash, so a job killed at any point
+resumes without re-embedding finished documents. A source that fails (corrupt, binary,
+unreadable...) is reported with its reason and leaves its stored version, if any, untouched;
+only documents that are really gone from an ingested root are deleted.
+
+Memory does not grow with the corpus beyond a small record per stored document (key, hash,
+ACL: what unchanged and vanished documents are found with): the walk is lazy, and only one
+batch of parsed documents waits for the embedder at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from ingest.chunk import Chunker
 from ingest.parse import parse_item
-from ingest.sources import SourceItem, SourceProblem, scan_roots, walk_sources
+from ingest.sources import SourceItem, SourceProblem, count_sources, scan_roots, walk_sources
 from rag.errors import IngestError
 from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
+from retrieval.catalog import DocumentState
+from retrieval.rebuild import BuildOutcome, CollectionBuild
 
 log = logging.getLogger(__name__)
 
-# Progress callback: (stage, done, total). Stages: "scan", "ingest".
+# Progress callback: (stage, done, total), total 0 when unknown. Stages: "scan" (counting the
+# sources), "ingest" (sources handled, of those counted), "embed" (chunks embedded so far),
+# "tokens" (tokens embedded so far).
 ProgressFn = Callable[[str, int, int], None]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,20 +63,38 @@ class IngestReport:
     chunks_written: int = 0
     tokens_embedded: int = 0
     problems: list[Problem] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage, and "total"
+    build: BuildOutcome | None = None  # set when the run built a new version of the collection
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def documents(self) -> int:
+        """Sources that are in the collection as they are now (written, checked or ACL-updated)."""
+        return self.added + self.updated + self.unchanged + self.acl_updated
+
+    def rates(self) -> dict[str, float]:
+        """Throughput: documents/s over the run, and per stage for the documents that went through it."""
+        embedded = self.added + self.updated
+        out = {"documents_per_second": _rate(self.documents + len(self.problems), self.seconds.get("total"))}
+        for stage in ("parse", "chunk", "embed", "write"):
+            out[f"{stage}_documents_per_second"] = _rate(embedded, self.seconds.get(stage))
+        out["embed_chunks_per_second"] = _rate(self.chunks_written, self.seconds.get("embed"))
+        out["embed_tokens_per_second"] = _rate(self.tokens_embedded, self.seconds.get("embed"))
+        return out
+
     def as_dict(self) -> dict:
         return {
-            "ok": self.ok, "added": self.added, "updated": self.updated,
+            "ok": self.ok, "documents": self.documents, "added": self.added, "updated": self.updated,
             "unchanged": self.unchanged, "acl_updated": self.acl_updated,
             "deleted": self.deleted, "chunks_written": self.chunks_written,
             "tokens_embedded": self.tokens_embedded,
             "problems": [{"source": p.key, "reason": p.reason} for p in self.problems],
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "rates": self.rates(),
+            "build": self.build.as_dict() if self.build else None,
         }
 
 
@@ -78,44 +111,75 @@ class IngestPipeline:
 
     def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray],
                  chunker: Chunker, batch_chunks: int = 256) -> None:
+        """
+        Args:
+            index: where documents go; a `retrieval.rebuild.CollectionBuild` is promoted at the end
+                of a run that completed it.
+            batch_chunks: chunks embedded per call; parsed documents wait for the embedder until
+                their chunks fill a batch, so this bounds what a run holds besides stored states.
+        """
         self.index = index
         self.embed = embed
         self.chunker = chunker
         self.batch_chunks = batch_chunks
+        self.max_pending_chunks = 0  # the most chunks that ever waited for the embedder (tests)
 
-    def run(self, paths: Sequence[Path], progress: ProgressFn | None = None) -> IngestReport:
+    def run(self, paths: Sequence[Path], progress: ProgressFn | None = None,
+            shard: tuple[int, int] | None = None) -> IngestReport:
         """Ingest every supported source under `paths`.
+
+        Args:
+            progress: called as the run goes (see ProgressFn); with it, the sources are counted
+                first (a cheap walk that reads no file but JSONL line ends) to give a total.
+            shard: (index, count): handle only the documents whose key hashes to this shard
+                (`shard_of`), and delete only vanished documents of this shard, so `count`
+                jobs over the same paths split the work without overlap.
 
         Raises:
             ConfigError: a path does not exist (nothing is changed then).
         """
+        started = time.perf_counter()
         report = IngestReport()
         clock = _Clock(report.seconds)
+        total = 0
         with clock("scan"):
             roots = scan_roots(paths)
-            items = list(walk_sources(roots))
+            if progress:
+                progress("scan", 0, 0)
+                total = count_sources(roots)
+            # Shrinks as sources are found: what is left at the end has no source any more.
             stored = self.index.document_states()
-        seen: set[str] = set()
+        if progress:
+            progress("ingest", 0, total)
+        if isinstance(self.index, CollectionBuild):
+            log.info("%s", self.index.notice)
+
+        def mine(key: str) -> bool:
+            return shard is None or shard_of(key, shard[1]) == shard[0]
+
         failed_files: set[str] = set()  # files with a bad part: keep their stored records
         pending: list[_Pending] = []
-        total = len(items)
-        for n, item in enumerate(items, 1):
-            if isinstance(item, SourceProblem):
+        embedded = [0, 0]  # chunks, tokens: for progress
+        for n, item in enumerate(_timed(walk_sources(roots), clock, "scan"), 1):
+            old = stored.pop(item.key, None)
+            if not mine(item.key):
+                pass
+            elif isinstance(item, SourceProblem):
                 report.problems.append(Problem(item.key, item.reason))
-                seen.add(item.key)
                 failed_files.add(str(item.path))
             else:
-                seen.add(item.key)
-                self._one(item, stored, report, pending, clock)
-                if sum(len(p.chunks) for p in pending) >= self.batch_chunks:
-                    self._flush(pending, report, clock)
+                self._one(item, old, report, pending, clock)
             if progress:
-                progress("ingest", n, total)
-        self._flush(pending, report, clock)
+                progress("ingest", n, max(total, n))
+            waiting = sum(len(p.chunks) for p in pending)
+            self.max_pending_chunks = max(self.max_pending_chunks, waiting)
+            if waiting >= self.batch_chunks:
+                self._flush(pending, report, clock, progress, embedded)
+        self._flush(pending, report, clock, progress, embedded)
 
         with clock("delete"):
             for key in sorted(stored):
-                if key in seen or not _under_any(key, roots):
+                if not mine(key) or not _under_any(key, roots):
                     continue
                 if any(key.startswith(f + "#") for f in failed_files):
                     continue
@@ -123,11 +187,14 @@ class IngestPipeline:
                 report.deleted += 1
         with clock("save"):
             self.index.save()
+        if isinstance(self.index, CollectionBuild):
+            with clock("switch"):
+                report.build = self.index.finish()
+        report.seconds["total"] = time.perf_counter() - started
         return report
 
-    def _one(self, item: SourceItem, stored: dict, report: IngestReport,
+    def _one(self, item: SourceItem, old: DocumentState | None, report: IngestReport,
              pending: list[_Pending], clock: _Clock) -> None:
-        old = stored.get(item.key)
         if old is not None and old.content_hash == item.content_hash:
             if old.acl != item.acl:
                 with clock("write"):
@@ -151,9 +218,12 @@ class IngestPipeline:
         if not chunks:
             report.problems.append(Problem(item.key, "no text extracted"))
             return
+        # The store needs the chunks, not the whole text: a waiting document holds no more.
+        doc = dataclasses.replace(doc, text="", elements=())
         pending.append(_Pending(doc, item.acl, chunks, is_new=old is None))
 
-    def _flush(self, pending: list[_Pending], report: IngestReport, clock: _Clock) -> None:
+    def _flush(self, pending: list[_Pending], report: IngestReport, clock: _Clock,
+               progress: ProgressFn | None, embedded: list[int]) -> None:
         if not pending:
             return
         texts = [c.text for p in pending for c in p.chunks]
@@ -165,13 +235,25 @@ class IngestPipeline:
                 n = len(p.chunks)
                 self.index.replace_document(p.doc, p.acl, p.chunks, vectors[offset:offset + n])
                 offset += n
+                tokens = sum(c.num_tokens for c in p.chunks)
                 report.chunks_written += n
-                report.tokens_embedded += sum(c.num_tokens for c in p.chunks)
+                report.tokens_embedded += tokens
+                embedded[0] += n
+                embedded[1] += tokens
                 if p.is_new:
                     report.added += 1
                 else:
                     report.updated += 1
         pending.clear()
+        if progress:
+            progress("embed", embedded[0], 0)
+            progress("tokens", embedded[1], 0)
+
+
+def shard_of(key: str, count: int) -> int:
+    """Stable shard of a document key in [0, count): the same on every machine and run."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count
 
 
 def _under_any(key: str, roots: Sequence[Path]) -> bool:
@@ -181,6 +263,21 @@ def _under_any(key: str, roots: Sequence[Path]) -> bool:
         if path == r or path.startswith(r.rstrip(os.sep) + os.sep):
             return True
     return False
+
+
+def _rate(count: int, seconds: float | None) -> float:
+    return round(count / seconds, 1) if seconds else 0.0
+
+
+def _timed(items: Iterable[T], clock: _Clock, stage: str) -> Iterator[T]:
+    """The items, with the time spent producing each one (walking, hashing) added to `stage`."""
+    it = iter(items)
+    while True:
+        with clock(stage):
+            item = next(it, None)
+        if item is None:
+            return
+        yield item
 
 
 class _Clock:

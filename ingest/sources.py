@@ -71,11 +71,39 @@ def walk_sources(
     in `paths` with an unsupported type is reported as a SourceProblem. Symbolic links are
     skipped unless `follow_symlinks`; a file reached twice is yielded once.
 
+    The walk is lazy and reads one file at a time (JSONL files line by line), so a corpus of
+    any size is never held in memory; what it keeps is the set of keys already yielded.
+
     Raises:
         ConfigError: at call time (not on first iteration) when a path does not exist.
     """
     roots = scan_roots(paths)  # eager: a typo in a path fails before anything is read
     return _Walker(follow_symlinks).walk(roots)
+
+
+def count_sources(paths: Sequence[Path | str], follow_symlinks: bool = False) -> int:
+    """How many items `walk_sources` will yield, without hashing files or parsing records.
+
+    The same directory walk, counting each file as one item and each non-blank line of a
+    JSONL file as one (read in blocks, kept nowhere): a cheap first pass that gives a
+    progress bar its total. Files that change in between make it an estimate.
+    """
+    total = 0
+    for found in _Walker(follow_symlinks).candidates(scan_roots(paths)):
+        if isinstance(found, _Candidate) and found.path.suffix.lower() == ".jsonl":
+            total += _count_lines(found.path.resolve())
+        else:
+            total += 1
+    return total
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A file the walk will read: where it is, how its ACL resolves, whether it was named."""
+
+    path: Path
+    resolver: AclResolver
+    explicit: bool
 
 
 class _Walker:
@@ -87,14 +115,22 @@ class _Walker:
         self._seen_dirs: set[Path] = set()
 
     def walk(self, roots: list[Path]) -> Iterator[SourceItem | SourceProblem]:
+        for found in self.candidates(roots):
+            if isinstance(found, SourceProblem):
+                yield found
+            else:
+                yield from self._file(found)
+
+    def candidates(self, roots: list[Path]) -> Iterator[_Candidate | SourceProblem]:
+        """The files to read, in walk order, each once; nothing is opened here."""
         for root in roots:
             resolver = AclResolver(root)
             if root.is_dir():
                 yield from self._walk_dir(root, resolver)
             else:
-                yield from self._file(root, resolver, explicit=True)
+                yield from self._candidate(root, resolver, explicit=True)
 
-    def _walk_dir(self, d: Path, resolver: AclResolver) -> Iterator[SourceItem | SourceProblem]:
+    def _walk_dir(self, d: Path, resolver: AclResolver) -> Iterator[_Candidate | SourceProblem]:
         real = d.resolve()
         if real in self._seen_dirs:  # a symlink loop, or overlapping roots
             return
@@ -115,14 +151,13 @@ class _Walker:
                 if entry.is_dir(follow_symlinks=self.follow_symlinks):
                     yield from self._walk_dir(path, resolver)
                 elif entry.is_file(follow_symlinks=self.follow_symlinks):
-                    yield from self._file(path, resolver, explicit=False)
+                    yield from self._candidate(path, resolver, explicit=False)
                 # else: sockets, FIFOs (reading one would block), devices, broken links
             except OSError as e:
                 yield SourceProblem(str(path), path, f"cannot read: {e.strerror or e}")
 
-    def _file(
-        self, path: Path, resolver: AclResolver, explicit: bool
-    ) -> Iterator[SourceItem | SourceProblem]:
+    def _candidate(self, path: Path, resolver: AclResolver, explicit: bool
+                   ) -> Iterator[_Candidate | SourceProblem]:
         suffix = path.suffix.lower()
         real = path.resolve()
         key = str(real)
@@ -135,10 +170,16 @@ class _Walker:
         if key in self._seen_keys:
             return
         self._seen_keys.add(key)
-        if explicit and not real.is_file():
+        yield _Candidate(path, resolver, explicit)
+
+    def _file(self, found: _Candidate) -> Iterator[SourceItem | SourceProblem]:
+        path, resolver = found.path, found.resolver
+        real = path.resolve()
+        key = str(real)
+        if found.explicit and not real.is_file():
             yield SourceProblem(key, real, "not a regular file")
             return
-        if suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             yield from _records(path, real, resolver)
             return
         try:
@@ -162,16 +203,15 @@ class _Walker:
 def _records(path: Path, real: Path, resolver: AclResolver) -> Iterator[SourceItem | SourceProblem]:
     """The records of one JSONL file; a bad line is reported and the others go on."""
     file_key = str(real)
-    try:
-        data = real.read_bytes()
-    except OSError as e:
-        yield SourceProblem(file_key, real, f"cannot read file: {e.strerror or e}")
-        return
     # The file's ACL is only needed by records without their own, and may be an error
     # (broken sidecar): resolve it once, lazily.
     file_acl: tuple[frozenset[str], str] | str | None = None
-    first_line: dict[str, int] = {}
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
+    first_line: dict[str, int] = {}  # record id -> line: the per-record state of a file
+    for lineno, raw in _lines(real):
+        if isinstance(raw, OSError):
+            # The pipeline keeps the stored records of a file it could not read to the end.
+            yield SourceProblem(file_key, real, f"cannot read file: {raw.strerror or raw}")
+            return
         if not raw.strip():
             continue
         line_key = f"{file_key}:{lineno}"
@@ -201,6 +241,26 @@ def _records(path: Path, real: Path, resolver: AclResolver) -> Iterator[SourceIt
                                                    record["metadata"]),
                          acl=acl, acl_origin=origin, title=record["title"],
                          text=record["text"], metadata=record["metadata"])
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes | OSError]]:
+    """(line number, line without its newline), read one line at a time; an OSError ends it."""
+    try:
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                yield lineno, raw[:-1] if raw.endswith(b"\n") else raw
+    except OSError as e:
+        yield 0, e
+
+
+def _count_lines(path: Path) -> int:
+    """Non-blank lines of a file, read a line at a time (1 when it cannot be read: one problem)."""
+    n = 0
+    for _, raw in _lines(path):
+        if isinstance(raw, OSError):
+            return max(n, 1)  # the walk reports it as one problem
+        n += bool(raw.strip())
+    return n
 
 
 def _parse_record(raw: bytes, lineno: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from rag.cli_db import db_app
+from rag.cli_index import index_app
 from rag.errors import RagError
 
 app = typer.Typer(
@@ -27,6 +28,7 @@ users_app = typer.Typer(help="The user directory: which groups each user belongs
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 app.add_typer(users_app, name="users")
+app.add_typer(index_app, name="index")
 
 _state: dict[str, object] = {}
 
@@ -68,46 +70,77 @@ def ingest(
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
     store: Store = None,
     dsn: Dsn = None,
+    shard: Annotated[int | None, typer.Option(
+        "--shard", help="ingest only shard I (0..N-1) of the documents, for job arrays (default: from "
+        "SLURM_ARRAY_TASK_ID)")] = None,
+    num_shards: Annotated[int | None, typer.Option(
+        "--num-shards", help="number of shard jobs N (default: SLURM_ARRAY_TASK_COUNT; 1 turns sharding off)")] = None,
 ) -> None:
     """Ingest documents with their permissions; re-running only redoes what changed.
 
     ACLs come from sidecar `.rag-acl.toml` files (nearest up the tree wins), JSONL `acl`
     fields, or else the files' POSIX owner/group/mode. Exit code 1 if any source failed.
+
+    With --shard I --num-shards N (or inside a Slurm job array) the job takes a stable hash
+    partition of the documents: with --store pgvector it writes into the collection, otherwise
+    into a shard directory that `rag index merge` joins into the collection once all N are done.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from ingest.shards import ingest_shard, resolve_shard
+    from rag.cli_progress import IngestProgress
 
     for p in paths:
         if not p.exists():
             raise RagError(f"path not found: {p}")
+    sharding = resolve_shard(shard, num_shards, os.environ)
     rag = _rag(store=store, dsn=dsn)
     started = time.perf_counter()
     show = sys.stderr.isatty() and not as_json
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True, disable=not show) as bar:
-        task = bar.add_task("loading models", total=None)
+    with IngestProgress(enabled=show) as bar:
         rag.embedder  # noqa: B018 - load before the bar starts counting documents
-
-        def progress(stage: str, done: int, total: int) -> None:
-            bar.update(task, description="ingesting", completed=done, total=total)
-
-        report = rag.ingest(paths, collection, progress)
+        progress = bar.update
+        if sharding is None:
+            # Says so up front when this run builds a new version of the collection.
+            notice = getattr(rag.index(collection, create=True), "notice", None)
+            if notice:
+                bar.notice(notice)
+            report = rag.ingest(paths, collection, progress)
+            shard_run = None
+        else:
+            shard_run = ingest_shard(rag, paths, collection, *sharding, progress=progress)
+            report = shard_run.report
     elapsed = time.perf_counter() - started
-    stats = rag.index(collection).stats()
+    name = collection or rag.settings.collection
+    # An embedded shard writes its own directory: the collection itself may not exist yet.
+    stats = shard_run.stats if shard_run is not None else rag.index(collection).stats()
+    shard_dir = shard_run.directory if shard_run is not None else None
     if as_json:
-        out = report.as_dict() | {"collection": rag.index(collection).name,
-                                  "wall_seconds": round(elapsed, 2), "collection_stats": stats}
+        out = report.as_dict() | {"collection": name, "wall_seconds": round(elapsed, 2),
+                                  "collection_stats": stats,
+                                  "shard": shard_run.shard if shard_run else None,
+                                  "num_shards": shard_run.num_shards if shard_run else None,
+                                  "shard_dir": str(shard_dir) if shard_dir else None}
         typer.echo(json.dumps(out, indent=2))
     else:
-        name = rag.index(collection).name
+        where = f"collection {name!r}"
+        if shard_run is not None:
+            where += f" shard {shard_run.shard} of {shard_run.num_shards}"
         typer.echo(
-            f"collection {name!r}: {report.added} added, {report.updated} updated, "
+            f"{where}: {report.added} added, {report.updated} updated, "
             f"{report.acl_updated} ACL-only updates, {report.unchanged} unchanged, "
             f"{report.deleted} deleted; {report.chunks_written} chunks written "
             f"({report.tokens_embedded} tokens embedded) in {elapsed:.1f}s"
         )
-        typer.echo(f"now {stats['documents']} documents, {stats['chunks']} chunks")
+        if shard_dir is not None:
+            typer.echo(f"shard now {stats['documents']} documents, {stats['chunks']} chunks in {shard_dir}; "
+                       f"run `rag index merge --collection {name}` once all {shard_run.num_shards} shards are done")
+        else:
+            typer.echo(f"now {stats['documents']} documents, {stats['chunks']} chunks")
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
-        typer.echo(f"time by stage: {stages}")
+        rates = report.rates()
+        typer.echo(f"time by stage: {stages}; {rates['documents_per_second']} documents/s, embedding "
+                   f"{rates['embed_chunks_per_second']} chunks/s ({rates['embed_tokens_per_second']} tokens/s)")
+        if report.build is not None:
+            typer.echo(report.build.summary())
         if report.problems:
             typer.echo(f"{len(report.problems)} source(s) skipped:")
             for p in report.problems:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from permissions.identity import IdentityStore
 from permissions.models import Principal
-from rag.errors import ConfigError
+from rag.errors import ConfigError, StoreError
 from rag.prompts import (
     build_messages,
     canonical_order,
@@ -54,6 +54,10 @@ class Rag:
         self._generate_lock = threading.Lock()
 
     def close(self) -> None:
+        if "embedder" in self.__dict__:  # stop its GPU worker processes, if any
+            close_embedder = getattr(self.embedder, "close", None)
+            if close_embedder is not None:
+                close_embedder()
         self.catalog.close()
         for index in self._indexes.values():
             close = getattr(index, "close", None)
@@ -67,8 +71,10 @@ class Rag:
     def embedder(self) -> Embedder:
         from ingest.embed import Embedder, EmbedderConfig
 
+        devices = tuple(self.settings.embed_devices) if self.settings.embed_devices else None
         return Embedder(EmbedderConfig(model=self.settings.embedder, device=self.settings.device,
-                                       batch_size=self.settings.embed_batch_size))
+                                       batch_size=self.settings.embed_batch_size, dtype=self.settings.embed_dtype,
+                                       devices=devices, max_batch_tokens=self.settings.embed_max_batch_tokens))
 
     @cached_property
     def reranker(self) -> CrossEncoderReranker:
@@ -91,38 +97,58 @@ class Rag:
         """A collection's store (NotFoundError if it does not exist and not `create`).
 
         The SQLite catalog + a Faiss/memory vector store, or PostgreSQL with pgvector when
-        `settings.store == "pgvector"`.
+        `settings.store == "pgvector"`. Without `create` this is always the live collection,
+        the one queries read. With `create` (what ingest writes to), the collection is created
+        if new; when this run's embedder or chunking settings differ from the collection's, the
+        embedded store returns the collection's next version, built beside the live one and
+        switched to when complete (`retrieval.rebuild.CollectionBuild`), and pgvector refuses.
+
+        Raises:
+            StoreError: pgvector, and the collection was built with another embedder or chunking.
         """
         name = check_collection_name(collection or self.settings.collection)
         with self._lock:
-            if name in self._indexes:
+            if name in self._indexes and not create:
                 return self._indexes[name]
-            chunking = None
+            spec = None
             if create:
                 from ingest.chunk import ChunkingConfig
+                from retrieval.rebuild import BuildSpec
 
-                cfg = ChunkingConfig(self.settings.chunk_max_tokens,
-                                     self.settings.chunk_overlap_tokens)
-                chunking = {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens}
-            index: CollectionStore
+                cfg = ChunkingConfig(self.settings.chunk_max_tokens, self.settings.chunk_overlap_tokens)
+                spec = BuildSpec(self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
+                                 {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens})
             if self.settings.store == "pgvector":
                 from retrieval.stores import pgvector
 
-                if chunking is not None:
-                    index = pgvector.create_collection(
-                        self.dsn, name, self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
-                        chunking)
-                else:
-                    index = pgvector.open_collection(self.dsn, name)
-            else:
-                if chunking is not None:
-                    info = self.catalog.create_collection(
-                        name, self.embedder.name, self.embedder.fingerprint, self.embedder.dim, chunking)
-                else:
-                    info = self.catalog.get_collection(name)
-                index = CollectionIndex(self.catalog, info, self.settings.index_dir, self.settings.store)
-            self._indexes[name] = index
-            return index
+                if name not in self._indexes:
+                    self._indexes[name] = (
+                        pgvector.open_collection(self.dsn, name) if spec is None else pgvector.create_collection(
+                            self.dsn, name, spec.embedder, spec.fingerprint, spec.dim, spec.chunking))
+                index = self._indexes[name]
+                if spec is not None and not spec.matches(index.info):
+                    from retrieval.rebuild import describe
+
+                    raise StoreError(
+                        f"collection {name!r} was built with {describe(index.info)}; this run uses "
+                        f"{describe(spec)}. A pgvector collection is not rebuilt in place (only the embedded "
+                        "store builds a new version beside the old one): ingest into a new collection name, "
+                        "or use the collection's embedder and chunk_max_tokens/chunk_overlap_tokens")
+                return index
+
+            def open_live() -> CollectionIndex:
+                if name not in self._indexes:
+                    self._indexes[name] = CollectionIndex(
+                        self.catalog, self.catalog.get_collection(name), self.settings.index_dir,
+                        self.settings.store)
+                return self._indexes[name]
+
+            if spec is None:
+                return open_live()
+            from retrieval.rebuild import open_for_ingest
+
+            return open_for_ingest(self.catalog, name, spec, self.settings.index_dir, self.settings.store,
+                                   open_live)
 
     @cached_property
     def dsn(self) -> str:
@@ -146,15 +172,21 @@ class Rag:
         return self.catalog.collection_names()
 
     def ingest(self, paths: Sequence[Path], collection: str | None = None,
-               progress: ProgressFn | None = None) -> IngestReport:
-        """Bring a collection in line with the sources under `paths` (creating it if new)."""
+               progress: ProgressFn | None = None, shard: tuple[int, int] | None = None) -> IngestReport:
+        """Bring a collection in line with the sources under `paths` (creating it if new).
+
+        Args:
+            shard: (index, count): write only the documents of this hash partition into the
+                collection itself (pgvector, which takes concurrent writers); the embedded store
+                shards into separate data directories instead (`ingest.shards.ingest_shard`).
+        """
         from ingest.chunk import Chunker, ChunkingConfig
 
         index = self.index(collection, create=True)
         chunking = index.info.chunking
         chunker = Chunker(self.embedder.tokenizer,
                           ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
-        return IngestPipeline(index, self.embedder.embed, chunker).run(paths, progress)
+        return IngestPipeline(index, self.embedder.embed, chunker).run(paths, progress, shard=shard)
 
     # -- identity ------------------------------------------------------------------------
 

@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     chunk_max_tokens: int = Field(default=200, ge=16, le=512)
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
     embed_batch_size: int = Field(default=64, ge=1, le=4096)
+    # GPU embedding: "auto" = bf16/fp16 on GPUs, fp32 on CPU; the GPUs bulk embedding spreads
+    # over (one process each; None = every visible GPU); padded tokens per forward pass
+    # (None = embed_batch_size x 256; ~4x that suits small models like MiniLM on a big GPU).
+    embed_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    embed_devices: list[str] | None = None
+    embed_max_batch_tokens: int | None = Field(default=None, ge=64)
     top_k: int = Field(default=5, ge=1, le=100, description="sources given to the generator")
     candidates: int = Field(default=20, ge=1, le=1000, description="hits fetched before reranking")
     rerank: bool = True

