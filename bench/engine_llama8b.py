@@ -7,8 +7,11 @@ Every figure is printed beside its peer measured in the same run:
               tokens/s, ours vs HF `generate` in padded batches (HF on a subsample, rate compared).
   prefix      time to first token of a 4,096-token prompt, cold vs with its first 4,000 tokens
               cached; and the cost of the cache with no reuse (cache on vs off, distinct prompts).
+  profile     GPU time of decode steps (graph replays) and of the eager short prefill, fused
+              kernels on vs off (bench/engine_profile.py), beside the floor.
 
-    PYTHONPATH=. python bench/engine_llama8b.py [--only decode,throughput,prefix] [--prompts 1000]
+    PYTHONPATH=. python bench/engine_llama8b.py [--only decode,throughput,prefix,overhead,profile]
+        [--prompts 1000] [--hf-prompts 32 | --skip-hf] [--folder DIR]
 """
 
 from __future__ import annotations
@@ -30,11 +33,25 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from generation import LLM, SamplingParams
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                tie_word_embeddings=False, torch_dtype="bfloat16")
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
 
 
 def copy_bandwidth() -> float:
@@ -74,13 +91,19 @@ def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     torch.cuda.synchronize()
     return time.perf_counter() - t
 
@@ -89,7 +112,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="decode,throughput,prefix,overhead")
     ap.add_argument("--prompts", type=int, default=1000)
-    ap.add_argument("--hf-prompts", type=int, default=64, help="subsample for the HF throughput peer")
+    ap.add_argument("--hf-prompts", type=int, default=32, help="subsample for the HF throughput peer")
+    ap.add_argument("--skip-hf", action="store_true", help="no Hugging Face peers (quick runs)")
     ap.add_argument("--folder", default=None, help="reuse a saved random model folder")
     ap.add_argument("--child-overhead", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -107,8 +131,10 @@ def main() -> None:
     else:
         weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     floor_ms = weight_bytes / bw * 1000
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.2f} GB; "
-          f"bandwidth floor {floor_ms:.2f} ms/token")
+    print(
+        f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.2f} GB; "
+        f"bandwidth floor {floor_ms:.2f} ms/token"
+    )
     rng = random.Random(0)
     vocab = LLAMA_8B["vocab_size"]
 
@@ -119,13 +145,18 @@ def main() -> None:
         # No reuse at all: distinct prompts, cache on vs off, each engine in its own process.
         times = {}
         for flag in ("on", "off"):
-            proc = subprocess.run([sys.executable, __file__, "--child-overhead", flag, "--folder", str(folder)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child-overhead", flag, "--folder", str(folder)],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode:
                 raise SystemExit(f"overhead child ({flag}) failed:\n{proc.stderr[-3000:]}")
             times[flag] = float(proc.stdout.strip().splitlines()[-1])
-        print(f"prefix cache with no reuse (200 distinct prompts, 64 new tokens): {times['on']:.2f} s on vs "
-              f"{times['off']:.2f} s off ({(times['on'] / times['off'] - 1) * 100:+.1f}%)")
+        print(
+            f"prefix cache with no reuse (200 distinct prompts, 64 new tokens): {times['on']:.2f} s on vs "
+            f"{times['off']:.2f} s off ({(times['on'] / times['off'] - 1) * 100:+.1f}%)"
+        )
 
     prompt512 = rand_prompt(512)
     thr_prompts = [rand_prompt(rng.randint(100, 1024)) for _ in range(args.prompts)]
@@ -133,7 +164,7 @@ def main() -> None:
 
     # Peers first: Hugging Face generate on the same weights (freed before our engine starts).
     hf_ms = hf_rate = None
-    if only & {"decode", "throughput"}:
+    if only & {"decode", "throughput"} and not args.skip_hf:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
         hf.eval()
         if "decode" in only:
@@ -143,7 +174,7 @@ def main() -> None:
             sub = list(range(min(args.hf_prompts, len(thr_prompts))))
             n_out, t_total = 0, 0.0
             for start in range(0, len(sub), 32):  # padded batches of 32, each run to its longest output
-                idx = sub[start:start + 32]
+                idx = sub[start : start + 32]
                 t_total += hf_generate_time(hf, [thr_prompts[i] for i in idx], max(thr_outs[i] for i in idx))
                 n_out += sum(thr_outs[i] for i in idx)  # useful tokens only
             hf_rate = n_out / t_total
@@ -152,15 +183,20 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     llm = LLM(folder, device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4608)
+    print(f"engine: {llm.engine.model_runner.num_scheduler_steps} scheduler steps per batch")
     if "decode" in only:
         params = SamplingParams(max_tokens=256, ignore_eos=True)
         llm.generate([prompt512], params)  # warm-up
         t = time.perf_counter()
         llm.generate([prompt512], params)
         ours_ms = (time.perf_counter() - t) * 1000 / 256
-        print(f"decode batch 1 (512-token prompt, 256 new): ours {ours_ms:.2f} ms/token, HF generate "
-              f"{hf_ms:.2f} ms/token ({hf_ms / ours_ms:.1f}x faster), bandwidth floor {floor_ms:.2f} ms "
-              f"(ours reaches {floor_ms / ours_ms * 100:.0f}% of the floor)")
+        itl = llm.metrics().inter_token_latency.mean * 1000  # gaps after each first token (both runs)
+        hf = f"HF generate {hf_ms:.2f} ms/token ({hf_ms / ours_ms:.1f}x faster)" if hf_ms else "HF skipped"
+        print(
+            f"decode batch 1 (512-token prompt, 256 new): ours {ours_ms:.2f} ms/token (prefill included; "
+            f"{itl:.2f} ms between tokens after the first), {hf}, bandwidth floor {floor_ms:.2f} ms "
+            f"(ours reaches {floor_ms / ours_ms * 100:.0f}% of the floor)"
+        )
     if "throughput" in only:
         params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in thr_outs]
         llm.generate(thr_prompts[:8], params[:8])  # warm-up
@@ -168,9 +204,16 @@ def main() -> None:
         res = llm.generate(thr_prompts, params)
         dt = time.perf_counter() - t
         n_out = sum(len(r.token_ids) for r in res)
-        print(f"throughput ({args.prompts} prompts, in/out uniform 100-1024): ours {n_out / dt:,.0f} output tok/s "
-              f"({n_out} tokens in {dt:.1f} s); HF generate in batches of 32 ({args.hf_prompts}-prompt "
-              f"subsample) {hf_rate:,.0f} tok/s; ours {n_out / dt / hf_rate:.1f}x")
+        hf = (
+            f"HF generate in batches of 32 ({args.hf_prompts}-prompt subsample) {hf_rate:,.0f} tok/s; "
+            f"ours {n_out / dt / hf_rate:.1f}x"
+            if hf_rate
+            else "HF skipped"
+        )
+        print(
+            f"throughput ({args.prompts} prompts, in/out uniform 100-1024): ours {n_out / dt:,.0f} output tok/s "
+            f"({n_out} tokens in {dt:.1f} s); {hf}"
+        )
     if "prefix" in only:
         base = rand_prompt(4000)
 
@@ -187,9 +230,15 @@ def main() -> None:
             ttft(base + rand_prompt(96))  # make sure `base` is cached
             warms.append(ttft(base + rand_prompt(96)))
         cold, warm = statistics.median(colds), statistics.median(warms)
-        print(f"prefix cache: TTFT of a 4,096-token prompt cold {cold * 1000:.1f} ms, with 4,000 tokens "
-              f"cached {warm * 1000:.1f} ms: {cold / warm:.1f}x faster")
+        print(
+            f"prefix cache: TTFT of a 4,096-token prompt cold {cold * 1000:.1f} ms, with 4,000 tokens "
+            f"cached {warm * 1000:.1f} ms: {cold / warm:.1f}x faster"
+        )
         print(f"prefix-cache counters: {llm.metrics()}")
+    if "profile" in only:
+        from engine_profile import profile
+
+        profile(llm, floor_ms)
 
 
 def child_overhead(folder: Path, flag: str) -> None:

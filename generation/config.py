@@ -156,6 +156,9 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# Steps per scheduled batch on CUDA: the host's per-batch work (schedule, pack, sync, finish
+# checks) is then paid once per 8 tokens, while a new request waits at most 8 steps to join.
+DEFAULT_CUDA_SCHEDULER_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,11 @@ class EngineConfig:
             namespace).
         enable_chunked_prefill: split long prompts over steps so that decodes keep running.
         enforce_eager: no CUDA graphs (debugging; always eager on CPU).
+        num_scheduler_steps: most model steps per scheduled batch: when every request in a step
+            samples, the batch goes on decoding on the device, each step fed the last one's tokens,
+            and the host schedules, syncs and post-processes once per batch (tokens then reach
+            streams in bursts, and a new request waits up to this many steps to join). None gives
+            8 on CUDA, where it hides the host's per-step work, and 1 on CPU. Range >= 1.
         dtype: "float32", "float16", "bfloat16" (or the torch dtype); None gives bf16 on CUDA
             and fp32 on CPU.
         device: "cuda", "cuda:1", "cpu"; None picks CUDA when available.
@@ -194,6 +202,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
+    num_scheduler_steps: int | None = None
     dtype: str | torch.dtype | None = None
     device: str | None = None
 
@@ -213,8 +222,16 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be None (measure) or >= 1, got {self.num_kv_blocks}")
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be None or >= 1, got {self.num_scheduler_steps}")
         if self.dtype is not None and self.dtype_name not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; valid: None, {', '.join(DTYPE_NAMES)}")
+
+    def scheduler_steps_on(self, device_type: str) -> int:
+        """num_scheduler_steps, with None resolved for a device type ("cuda", "cpu")."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return DEFAULT_CUDA_SCHEDULER_STEPS if device_type == "cuda" else 1
 
     @property
     def dtype_name(self) -> str | None:

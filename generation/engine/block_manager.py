@@ -69,18 +69,27 @@ class BlockManager:
 
     def match_prefix(self, seq: SeqState) -> int:
         """Tokens that `allocate(seq)` would take from the cache right now (no side effects)."""
-        return len(self._match(seq)) * self.block_size
+        return len(self.match(seq)) * self.block_size
 
-    def can_allocate(self, seq: SeqState) -> bool:
-        return self._blocks_to_take(seq, self._match(seq)) <= self.num_free_blocks
+    def match(self, seq: SeqState) -> list[int]:
+        """Physical blocks of the longest cached run of seq's leading full blocks (no side effects).
 
-    def allocate(self, seq: SeqState) -> None:
+        Valid until the pool changes; pass it to can_allocate and allocate to look up only once.
+        """
+        return self._match(seq)
+
+    def can_allocate(self, seq: SeqState, hits: list[int] | None = None) -> bool:
+        hits = self._match(seq) if hits is None else hits
+        return self._blocks_to_take(seq, hits) <= self.num_free_blocks
+
+    def allocate(self, seq: SeqState, hits: list[int] | None = None) -> None:
         """Give seq blocks for all its current tokens, reusing the longest cached run of leading blocks.
 
         Sets `seq.num_cached_tokens` and `seq.num_computed_tokens` to the tokens served from the cache.
+        `hits`: what `match(seq)` returned, if nothing changed the pool since.
         """
         assert seq.seq_id not in self._seqs and not seq.block_table, f"{seq} already holds blocks"
-        hits = self._match(seq)
+        hits = self._match(seq) if hits is None else hits
         assert self._blocks_to_take(seq, hits) <= self.num_free_blocks, f"not enough free blocks for {seq}"
         # Take the hits out of the evictable pool before taking new blocks, so that eviction below
         # cannot hand out a block this sequence is about to reuse.

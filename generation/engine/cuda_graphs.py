@@ -1,4 +1,4 @@
-"""DecodeGraphs: the decode step captured as CUDA graphs at bucketed batch sizes, replayed on padded inputs."""
+"""DecodeGraphs: the decode step, logits included, captured as CUDA graphs at bucketed batch sizes."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def decode_batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """One CUDA graph of `model`'s decode step per batch bucket, reading a packed input buffer in place.
+    """One CUDA graph of `model`'s decode step and LM head per batch bucket, reading a packed input buffer in place.
 
     A decode step of n sequences replays the smallest bucket >= n. The graph of bucket bs reads
     DecodeInputs' device buffer laid out for bs rows; the first n hold the real inputs, the rest
     are padding that writes no KV (slot -1) and attends to nothing (context 0), so padded rows
     cannot disturb the cache or the real rows. Converting context lengths and the transposed block
-    table to the kernels' int32 layout happens inside the graph, so a step costs the host one
-    copy and one replay.
+    table to the kernels' int32 layout happens inside the graph, and so does the LM head, so a
+    step costs the host one replay (and one copy when its inputs come from the host).
 
     Args:
         model: the model; its weights and the KV cache must stay where they are for the graphs' life.
@@ -48,7 +48,7 @@ class DecodeGraphs:
         max_bs = self.buckets[-1]
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.full((max_bs, inputs.max_blocks), -1, dtype=torch.int32, device=device)
-        self.outputs = torch.zeros(max_bs, model.config.hidden_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(max_bs, model.config.vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         started = time.perf_counter()
         pool = None
@@ -63,6 +63,7 @@ class DecodeGraphs:
                 self._step(model, kv_caches, inputs.fields(bs), bs)
             if pool is None:
                 pool = graph.pool()
+                self.pool = pool  # the prefill graphs share it: one graph runs at a time
             self.graphs[bs] = graph
             torch.cuda.synchronize(device)
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.buckets),
@@ -86,17 +87,18 @@ class DecodeGraphs:
         )
 
     def replay(self, n: int) -> torch.Tensor:
-        """Replay the decode step over the packed inputs written for bucket(n); hidden states [n, H].
+        """Replay the decode step over the packed inputs written for bucket(n); logits [n, V].
 
         The result is a view of the static output buffer: read it before the next replay.
         """
         self.graphs[self.bucket(n)].replay()
-        return self.outputs[:n]
+        return self.logits[:n]
 
     def _step(self, model: LlamaForCausalLM, kv_caches: list[KVCache], fields: DecodeFields, bs: int) -> None:
         self.context_lens[:bs].copy_(fields.context_lens)
         self.block_tables[:bs].copy_(fields.block_columns.t())
-        self.outputs[:bs] = model(fields.input_ids, fields.positions, self.meta(fields, bs), kv_caches)
+        hidden = model(fields.input_ids, fields.positions, self.meta(fields, bs), kv_caches)
+        model.compute_logits(hidden, out=self.logits[:bs])
 
     def _bucket_summary(self) -> str:
         b = self.buckets

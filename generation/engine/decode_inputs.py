@@ -1,10 +1,13 @@
-"""DecodeInputs: a pure-decode step's inputs packed in one int64 buffer, sent with one host-to-device copy."""
+"""DecodeInputs: a decode step's inputs packed in one int64 buffer, sent with one copy and advanced on the device."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -27,20 +30,24 @@ class DecodeFields:
 
 
 class DecodeInputs:
-    """A pure-decode step's inputs, written on the host and sent to the device with a single copy.
+    """A decode step's inputs, written on the host, sent with a single copy, then advanced on the device.
 
     Layout for a batch of `bs` rows: an int64 matrix [HEADER_ROWS + max_blocks, bs] at the start of
     the buffer, rows input_ids, positions, slot_mapping, context_lens, then the block table
     transposed (one row per block index). Transposed, the first `width` block columns of every
-    sequence form a contiguous prefix of the buffer, so a step copies only (4 + width) * bs values
-    however long max_model_len is. Block rows past `width` keep stale values: a sequence's decode
-    reads only the blocks its context covers, all of them below `width`.
+    sequence form a contiguous prefix of the buffer, so a write copies only (4 + width) * bs values
+    however long max_model_len is. Block rows past `width` keep stale values: nothing reads them
+    (attention reads the blocks a context covers, `advance` checks the width).
+
+    A batch that runs several steps is written once, at the last token each entry feeds in its
+    first step; `advance` then moves every row on by one token on the device, fed the token the
+    step before sampled, so later steps need neither the host nor a sync.
 
     On CUDA the host side is pinned and the copy is asynchronous; CUDA graphs read the device
     buffer in place (see DecodeGraphs). On CPU host and device buffers are the same tensor.
 
     Args:
-        max_batch: most rows (the largest decode bucket).
+        max_batch: most rows (the largest decode batch).
         max_blocks: block-table width of a max_model_len sequence.
         block_size: tokens per KV block.
         device: where the model runs.
@@ -56,6 +63,8 @@ class DecodeInputs:
         # Recorded after each copy: the host buffer must not be rewritten while a copy still reads it.
         self._copied = torch.cuda.Event() if cuda else None
         self._fields: dict[int, DecodeFields] = {}
+        # Layout of the last write: rows of the layout, real rows, block columns packed.
+        self.bs = self.num_rows = self.width = 0
 
     def fields(self, bs: int) -> DecodeFields:
         """Device views for a batch of bs rows (fixed addresses: CUDA graphs capture them)."""
@@ -72,43 +81,71 @@ class DecodeInputs:
         self.device_buffer.zero_()
         self.fields(bs).slot_mapping.fill_(-1)
 
-    def write(self, entries: list[ScheduledEntry], bs: int) -> int:
-        """Pack one decode per entry into rows 0..n-1 of a bs-row layout and copy it; returns the width.
+    def write(self, entries: Sequence[ScheduledEntry], bs: int) -> int:
+        """Pack one row per entry, at the last token it feeds this step, into a bs-row layout; returns the width.
 
-        Rows n..bs-1 are padding: slot -1 (no KV written) and context 0 (nothing attended).
-        Block columns past each row's own blocks up to the width hold -1.
+        For a decode entry that is the step's input. The block table of each row is packed whole
+        (a batch of several steps has its later blocks reserved already). Rows n..bs-1 are
+        padding: slot -1 (no KV written) and context 0 (nothing attended); block columns past
+        each row's own blocks hold -1.
         """
-        bs_ = self.block_size
+        block_size = self.block_size
         n = len(entries)
         assert 0 < n <= bs <= self.max_batch
-        header: list[list[int]] = [[], [], [], []]
-        ids, positions, slots, context_lens = header
-        tables: list[list[int]] = []
-        for entry in entries:
-            seq, pos = entry.seq, entry.start_pos
-            table = seq.block_table
-            ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs_] * bs_ + pos % bs_)
-            context_lens.append(pos + 1)
-            tables.append(table[: pos // bs_ + 1])
-        width = max(len(t) for t in tables)
+        positions = [e.start_pos + e.num_new_tokens - 1 for e in entries]
+        tables = [e.seq.block_table for e in entries]
+        ids = [e.seq.token_ids[p] for e, p in zip(entries, positions, strict=True)]
+        slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
+        lens = [len(t) for t in tables]
+        width = max(lens)
+        assert width <= self.max_blocks
         if self._copied is not None:
             self._copied.synchronize()
         grid = self._host_np[: (HEADER_ROWS + width) * bs].reshape(HEADER_ROWS + width, bs)
-        grid[:HEADER_ROWS, :n] = header
+        grid[INPUT_IDS, :n] = ids
+        grid[POSITIONS, :n] = positions
+        grid[SLOTS, :n] = slots
+        grid[CONTEXT_LENS, :n] = positions
+        grid[CONTEXT_LENS, :n] += 1
         if n < bs:
             grid[:, n:] = 0
             grid[SLOTS, n:] = -1
         columns = grid[HEADER_ROWS:]
         columns[:, :n] = -1
-        for row, table in enumerate(tables):
-            columns[: len(table), row] = table
+        # One scatter for all rows: per-row numpy assignments cost more than the rest of a step.
+        counts = np.asarray(lens)
+        rows = np.repeat(np.arange(n), counts)
+        cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        columns[cols, rows] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=rows.size)
         if self._copied is not None:
             size = (HEADER_ROWS + width) * bs
             self.device_buffer[:size].copy_(self.host[:size], non_blocking=True)
             self._copied.record()
+        self.bs, self.num_rows, self.width = bs, n, width
         return width
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Move the rows of the last write on by one token, fed `tokens` ([num_rows] int64), on the device.
+
+        A row whose next position has no block (its lookahead ended: it is past max_tokens or
+        max_model_len) stays where it is and stores nothing; its later tokens are discarded.
+        """
+        fields = self.fields(self.bs)
+        n = self.num_rows
+        if self.device_buffer.is_cuda:
+            from generation.engine.advance_kernel import advance_decode_rows
+
+            advance_decode_rows(self.device_buffer, tokens, n, self.bs, self.width, self.block_size)
+            return
+        # The torch form of the kernel (CPU): the same rule, a few vector ops.
+        pos = fields.positions[:n] + 1
+        col = torch.div(pos, self.block_size, rounding_mode="floor")
+        block = fields.block_columns[: self.width, :n].gather(0, col.clamp(max=self.width - 1)[None])[0]
+        ok = (col < self.width) & (block >= 0)
+        fields.input_ids[:n] = tokens
+        fields.positions[:n] = torch.where(ok, pos, fields.positions[:n])
+        fields.context_lens[:n] = torch.where(ok, pos + 1, fields.context_lens[:n])
+        fields.slot_mapping[:n] = torch.where(ok, block * self.block_size + pos % self.block_size, -1)
 
 
 def block_table_rows(columns: torch.Tensor, n: int, width: int) -> torch.Tensor:

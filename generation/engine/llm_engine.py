@@ -32,7 +32,8 @@ class RequestUpdate:
 
     Attributes:
         request_id: as add_request returned it.
-        new_token_ids: tokens sampled this step (one; a final stop token included).
+        new_token_ids: tokens this step produced for the request (one per model step of the batch,
+            up to its stop; a final stop token included).
         text_delta: new text that can no longer turn into a stop string ("" for requests added
             with incremental_text=False, whose text comes only with the output).
         finished: the request is done and its KV blocks are released.
@@ -105,6 +106,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
+            num_scheduler_steps=self.model_runner.num_scheduler_steps,
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.metrics = EngineMetrics()
@@ -197,7 +199,11 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run the model once and account for it; one update per request that sampled.
+        """Schedule a batch, run its model step(s) and account for them; one update per request that sampled.
+
+        A batch of several steps (EngineConfig.num_scheduler_steps) gives each request the tokens
+        of all its steps up to its stop at once. Each step's tokens are checked for stops while
+        the device runs the steps after it.
 
         Raises:
             GenerationError: a request needs more KV blocks than the whole cache has.
@@ -206,34 +212,48 @@ class LLMEngine:
         if batch.is_empty:
             return []
         requests = [self._requests[e.seq.seq_id] for e in batch.sampling_entries]
-        tokens = self.model_runner.execute(
+        kept: list[list[int]] = [[] for _ in requests]
+        live = list(range(len(requests)))
+        steps = self.model_runner.execute(
             batch, [r.sequence.params for r in requests], [r.sequence.generator for r in requests]
         )
-        now = time.monotonic()
-        sampled: dict[int, int] = {}
-        for request, token in zip(requests, tokens, strict=True):
-            request.sequence.append(token)
+        on_token = self.metrics.on_token
+        for tokens in steps:
+            now = time.monotonic()
+            still: list[int] = []
+            for row in live:
+                request, token = requests[row], tokens[row]
+                sequence = request.sequence
+                sequence.append(token)
+                kept[row].append(token)
+                on_token(request.request_id, now)
+                if not sequence.is_finished:
+                    still.append(row)
+            live = still
+            if not live:
+                break  # every request stopped: the remaining steps' tokens are discarded
+        sampled: dict[int, list[int]] = {}
+        for request, tokens in zip(requests, kept, strict=True):
             # The scheduler frees a sequence whose stop logic (EOS, stop strings) finished it.
             request.state.finished = request.sequence.is_finished
-            sampled[request.request_id] = token
-            self.metrics.on_token(request.request_id, now)
+            sampled[request.request_id] = tokens
         self.scheduler.postprocess(batch, sampled)
-        return [self._update(request, token) for request, token in zip(requests, tokens, strict=True)]
+        return [self._update(request, tokens) for request, tokens in zip(requests, kept, strict=True)]
 
-    def _update(self, request: Request, token: int) -> RequestUpdate:
+    def _update(self, request: Request, tokens: list[int]) -> RequestUpdate:
         seq = request.sequence
         finished = request.state.status is SeqStatus.FINISHED
         # Both cap the output at min(max_tokens, max_model_len - prompt), so they agree on "length".
         assert finished == seq.is_finished, f"scheduler and stop logic disagree on request {request.request_id}"
         delta = seq.pop_stream_delta() if request.incremental_text else ""
         if not finished:
-            return RequestUpdate(request.request_id, [token], delta, False)
+            return RequestUpdate(request.request_id, tokens, delta, False)
         del self._requests[request.request_id]
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.text = self._decode_output(seq)
         return RequestUpdate(
             request.request_id,
-            [token],
+            tokens,
             delta,
             True,
             seq.finish_reason,

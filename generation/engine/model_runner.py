@@ -1,9 +1,10 @@
-"""ModelRunner: the weights, one paged KV tensor sized from free memory, step inputs, forward and sampling."""
+"""ModelRunner: the weights, one paged KV tensor, and a scheduled batch's steps run back to back on the device."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +14,12 @@ import torch
 from generation.config import EngineConfig, ModelConfig
 from generation.engine.cuda_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs, block_table_rows
-from generation.engine.scheduler import ScheduledBatch
+from generation.engine.kv_cache import GIB, decide_num_blocks, fit_max_model_len, kv_shape
+from generation.engine.prefill_graphs import PrefillGraphs
+from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.layers.attention import AttentionMetadata, KVCache
+from generation.layers.kernels import triton_fused_for
+from generation.layers.linear import Linear
 from generation.layers.paged_attention import attention_backend
 from generation.layers.sampler import sample
 from generation.loader import load_model
@@ -23,12 +28,6 @@ from generation.sampling_params import SamplingParams
 from rag.errors import ModelError
 
 logger = logging.getLogger(__name__)
-
-GIB = 1 << 30
-# Default KV pool on CPU (no measurement there): this many tokens per max_num_seqs, at least one
-# max_model_len sequence, and never more than CPU_KV_CACHE_BYTES.
-CPU_TOKENS_PER_SEQ = 512
-CPU_KV_CACHE_BYTES = 512 << 20
 
 
 @dataclass
@@ -43,15 +42,22 @@ class StepInputs:
     # packed decode buffer, laid out for a CUDA graph when `graph` is set.
     is_decode: bool = False
     graph: bool = False
+    # A small prefill step whose inputs sit in PrefillGraphs' buffer: a graph replay serves it.
+    prefill_graph: bool = False
 
 
 class ModelRunner:
     """Loads a model and runs scheduled batches over a paged KV cache.
 
     On CUDA the KV cache takes what `gpu_memory_utilization` leaves after the weights and the
-    peak activations of a profiling pass at `max_num_batched_tokens`; pure-decode steps replay
-    CUDA graphs unless `enforce_eager`. On CPU the pool is `num_kv_blocks` or a modest default,
-    and everything runs eagerly through the torch reference attention.
+    peak activations of a profiling pass at `max_num_batched_tokens`; decode steps and small
+    prefill steps replay CUDA graphs (logits included) unless `enforce_eager`. On CPU the pool is
+    `num_kv_blocks` or a modest default, and everything runs eagerly through the torch reference.
+
+    A batch of several steps (ScheduledBatch.num_steps) runs them all before the host waits for
+    anything: each later step is a decode of every entry whose input token is the one the step
+    before sampled, moved into place on the device (DecodeInputs.advance). The host then reads
+    each step's tokens as that step completes, so its processing overlaps the steps still running.
 
     Args:
         model_dir: a local Hugging Face model folder.
@@ -77,11 +83,14 @@ class ModelRunner:
                 f"tokens, max_position_embeddings in {model_dir / 'config.json'}): set it to {context} or less"
             )
         wanted_len = config.max_model_len or context
-        self.num_kv_blocks = self._decide_num_blocks(wanted_len)
-        self.max_model_len = self._fit_max_model_len(wanted_len, explicit=config.max_model_len is not None)
-        # One tensor for all layers: [layers, k/v, blocks, block_size, kv_heads, head_dim]. Zeros,
-        # not empty: padding reads of the reference path must not meet NaN garbage.
-        self.kv_cache = torch.zeros(self._kv_shape(self.num_kv_blocks), dtype=self.dtype, device=self.device)
+        self._choose_matmul_kernels()  # before the KV cache is sized: its timing buffers are freed by then
+        self.num_kv_blocks = decide_num_blocks(self.model, config, self.device, self.dtype, wanted_len)
+        self.max_model_len = fit_max_model_len(
+            self.num_kv_blocks, self.block_size, wanted_len, explicit=config.max_model_len is not None
+        )
+        # Zeros, not empty: padding reads of the reference path must not meet NaN garbage.
+        shape = kv_shape(self.model_config, self.num_kv_blocks, self.block_size)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches: list[KVCache] = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         num_tokens = self.num_kv_blocks * self.block_size
@@ -90,53 +99,121 @@ class ModelRunner:
             num_tokens, self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GIB,
             self.dtype, self.max_model_len, num_tokens / self.max_model_len,
         )  # fmt: skip
-        # Pure-decode steps pack their inputs here: one host-to-device copy per step.
+        self.num_scheduler_steps = config.scheduler_steps_on(self.device.type)
+        # Decode steps read their inputs from here: one host-to-device copy per batch.
         # Rows 0..n-1 of a decode step's hidden states all sample: a view of this, never a copy.
         self._all_rows = torch.arange(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, self.device)
+        # Each step's sampled tokens land here; on CUDA an event per step says when they have.
+        cuda = self.device.type == "cuda"
+        self._sampled = torch.zeros(self.num_scheduler_steps, config.max_num_seqs, dtype=torch.int64, pin_memory=cuda)
+        self._sampled_np = self._sampled.numpy()
+        self._step_done = [torch.cuda.Event() for _ in range(self.num_scheduler_steps)] if cuda else []
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        self.prefill_graphs: PrefillGraphs | None = None
+        if cuda and not config.enforce_eager:
             if attention_backend(self.device) != "triton":
                 # The torch reference stores KV through a boolean mask (a host sync): not capturable.
                 logger.warning("Triton is not available: attention runs the torch reference, without CUDA graphs")
             else:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_inputs)
+                    self.prefill_graphs = PrefillGraphs(
+                        self.model, self.kv_caches, self.max_blocks_per_seq, self.graphs.pool
+                    )
+
+    def _choose_matmul_kernels(self) -> None:
+        """Time cuBLAS against the Triton skinny matmul on each weight shape (CUDA, fused kernels on)."""
+        if triton_fused_for(torch.empty(0, device=self.device)) is None:
+            return
+        from generation.layers import skinny_gemm
+
+        skinny_gemm.choose([m.weight for m in self.model.modules() if isinstance(m, Linear)])
+
+    # ---------------------------------------------------------------------------------------------
+    # A batch
+    # ---------------------------------------------------------------------------------------------
+
+    def execute(
+        self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> Iterator[list[int]]:
+        """Run the batch's steps; yield each step's sampled tokens, one per sampling entry in entry order.
+
+        Every step is launched before the first token is read: reading step j waits for step j
+        alone, so what the caller does with it overlaps the steps after it. Leaving the iterator
+        early is fine: the remaining steps finish on the device and their tokens are dropped.
+
+        Args:
+            batch: the scheduler's batch (num_steps > 1 only when every entry samples).
+            params, generators: one per sampling entry (batch.sampling_entries), in that order.
+        """
+        assert batch.num_steps <= self.num_scheduler_steps
+        with torch.inference_mode():
+            num_rows = self._launch(batch, params, generators)
+        if num_rows == 0:
+            return
+        for step in range(batch.num_steps):
+            if self._step_done:
+                self._step_done[step].synchronize()
+            yield self._sampled_np[step, :num_rows].tolist()
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the batch's first step (writing its KV) and return fp32 logits [N, V] of its sampling entries."""
+        return self.step_logits(self.prepare_inputs(batch)).float()
+
+    def _launch(
+        self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> int:
+        """Queue every step of the batch on the device; returns the rows each step samples."""
+        inputs = self.prepare_inputs(batch)
+        logits = self.step_logits(inputs)
+        num_rows = logits.shape[0]
+        if num_rows == 0:
+            return 0
+        greedy = all(p.is_greedy for p in params)
+        tokens = self._pick(logits, params, generators, greedy)
+        self._publish(0, tokens)
+        if batch.num_steps == 1:
+            return num_rows
+        if not inputs.is_decode:
+            # A prefill step came first: lay out every entry at the last token it fed, so that
+            # advancing moves each row to the token just sampled.
+            self._write_decode(batch.entries)
+        for step in range(1, batch.num_steps):
+            self.decode_inputs.advance(tokens)
+            logits = self.step_logits(self._decode_step_inputs())
+            tokens = self._pick(logits, params, generators, greedy)
+            self._publish(step, tokens)
+        return num_rows
+
+    def _pick(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], greedy: bool
+    ) -> torch.Tensor:
+        # Argmax in the head's dtype: widening to fp32 is exact, so the pick is the same without
+        # materialising [N, V] fp32 logits.
+        return logits.argmax(dim=-1) if greedy else sample(logits, params, generators)
+
+    def _publish(self, step: int, tokens: torch.Tensor) -> None:
+        """Copy a step's tokens to the host buffer (asynchronously on CUDA) and mark when they are there."""
+        self._sampled[step, : tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if self._step_done:
+            self._step_done[step].record()
 
     # ---------------------------------------------------------------------------------------------
     # A step
     # ---------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def execute(
-        self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> list[int]:
-        """Run the batch and sample one token per entry with `samples`, in entry order.
+    def step_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [N, V] of the step's sampling rows (in the model's dtype): a graph replay or an eager forward.
 
-        Args:
-            batch: the scheduler's step.
-            params, generators: one per sampling entry (batch.sampling_entries), in that order.
-
-        Returns:
-            The sampled token ids, one per sampling entry.
+        A replay's logits are a view of the graph's static buffer: use them before the next replay.
         """
-        logits = self._logits(batch)
-        if logits.shape[0] == 0:
-            return []
-        if all(p.is_greedy for p in params):
-            # Argmax in the head's dtype: widening to fp32 is exact, so the pick is the same
-            # without materialising [N, V] fp32 logits. One small device-to-host copy follows.
-            return logits.argmax(dim=-1).tolist()
-        return sample(logits, params, generators).tolist()
-
-    @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the batch (writing its KV) and return fp32 logits [N, V] of its sampling entries."""
-        return self._logits(batch).float()
-
-    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        inputs = self.prepare_inputs(batch)
-        hidden = self.forward(inputs)
+        if inputs.graph and self.graphs is not None:
+            return self.graphs.replay(len(inputs.input_ids))
+        if inputs.prefill_graph and self.prefill_graphs is not None:
+            return self.prefill_graphs.replay(len(inputs.input_ids), len(inputs.logits_indices))
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not inputs.is_decode:
             hidden = hidden[inputs.logits_indices]
         return self.model.compute_logits(hidden)
@@ -145,15 +222,21 @@ class ModelRunner:
         """Pack the entries' new tokens, positions, cache slots and block tables into device tensors."""
         assert not batch.is_empty
         if all(e.is_decode for e in batch.entries) and len(batch.entries) <= self.decode_inputs.max_batch:
-            return self._prepare_decode(batch)
+            self._write_decode(batch.entries)
+            return self._decode_step_inputs()
         bs = self.block_size
+        entries = batch.entries
+        # Leading one-token decodes go to the decode kernel; cu_seqlens covers the entries after them.
+        num_decodes = 0
+        while num_decodes < len(entries) and entries[num_decodes].is_decode:
+            num_decodes += 1
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         context_lens: list[int] = []
-        cu_seqlens = [0]
+        cu_seqlens = [0]  # over all entries
         logits_indices: list[int] = []
-        for entry in batch.entries:
+        for entry in entries:
             seq, start, n = entry.seq, entry.start_pos, entry.num_new_tokens
             end = start + n
             if n == 1:  # decodes, the bulk of a large batch: no slices, no ranges
@@ -172,15 +255,29 @@ class ModelRunner:
         # numpy row fills: several times faster than torch.tensor on nested lists at batch 256.
         num_blocks = [-(-end // bs) for end in context_lens]
         tables = np.full((len(context_lens), max(num_blocks)), -1, dtype=np.int32)
-        for row, (entry, k) in enumerate(zip(batch.entries, num_blocks, strict=True)):
+        for row, (entry, k) in enumerate(zip(entries, num_blocks, strict=True)):
             tables[row, :k] = entry.seq.block_table[:k]
-        is_prefill = not all(e.is_decode for e in batch.entries)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.fits(len(input_ids), len(entries)):
+            meta = graphs.write(input_ids, positions, slots, cu_seqlens, context_lens, tables, logits_indices)
+            return StepInputs(
+                input_ids=graphs.input_ids(len(input_ids)),
+                positions=graphs.positions(len(input_ids)),
+                meta=meta,
+                logits_indices=graphs.logits_indices(len(logits_indices)),
+                prefill_graph=True,
+            )
+        is_prefill = num_decodes < len(entries)
         meta = AttentionMetadata(
             is_prefill=is_prefill,
             slot_mapping=self._to_device(slots, torch.int64),
             context_lens=self._to_device(context_lens, torch.int32),
             block_tables=self._to_device(torch.from_numpy(tables), torch.int32),
-            cu_seqlens_q=self._to_device(cu_seqlens, torch.int32) if is_prefill else None,
+            # The prefill kernel's boundaries start after the leading decodes (see AttentionMetadata).
+            cu_seqlens_q=self._to_device([c - num_decodes for c in cu_seqlens[num_decodes:]], torch.int32)
+            if is_prefill
+            else None,
+            num_decodes=num_decodes if is_prefill else 0,
         )
         return StepInputs(
             input_ids=self._to_device(input_ids, torch.int64),
@@ -189,14 +286,20 @@ class ModelRunner:
             logits_indices=self._to_device(logits_indices, torch.int64),
         )
 
-    def _prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
-        """Inputs of a pure-decode step, packed and sent with one copy (no per-field tensors)."""
-        n = len(batch.entries)
+    def _write_decode(self, entries: list[ScheduledEntry]) -> None:
+        """Pack a decode layout of the entries (CUDA-graph padded when a graph serves their number)."""
+        n = len(entries)
         graph = self.graphs is not None and n <= self.graphs.max_batch_size
         # A graph reads the layout of its bucket, padding rows included; eager runs take n rows.
         rows = self.graphs.bucket(n) if graph and self.graphs is not None else n
-        width = self.decode_inputs.write(batch.entries, rows)
-        fields = self.decode_inputs.fields(rows)
+        self.decode_inputs.write(entries, rows)
+
+    def _decode_step_inputs(self) -> StepInputs:
+        """Inputs of a decode step over the packed buffer as it stands (no host copy)."""
+        inputs = self.decode_inputs
+        n, rows = inputs.num_rows, inputs.bs
+        fields = inputs.fields(rows)
+        graph = self.graphs is not None and n <= self.graphs.max_batch_size
         if graph and self.graphs is not None:
             meta = self.graphs.meta(fields, n)
         else:
@@ -204,7 +307,7 @@ class ModelRunner:
                 is_prefill=False,
                 slot_mapping=fields.slot_mapping[:n],
                 context_lens=fields.context_lens[:n].to(torch.int32),
-                block_tables=block_table_rows(fields.block_columns, n, width),
+                block_tables=block_table_rows(fields.block_columns, n, inputs.width),
             )
         return StepInputs(
             input_ids=fields.input_ids[:n],
@@ -215,122 +318,12 @@ class ModelRunner:
             graph=graph,
         )
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [T, H] of a step: a CUDA graph replay for decodes that fit one, else eager."""
-        if inputs.graph and self.graphs is not None:
-            return self.graphs.replay(len(inputs.input_ids))
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-
     def _to_device(self, data: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
         if self.device.type != "cuda":
             return host
         # Pinned host memory lets the copy run asynchronously with the host preparing what follows.
         return host.pin_memory().to(self.device, non_blocking=True)
-
-    # ---------------------------------------------------------------------------------------------
-    # KV cache sizing
-    # ---------------------------------------------------------------------------------------------
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers (K and V)."""
-        return math.prod(self._kv_shape(1)) * torch.empty((), dtype=self.dtype).element_size()
-
-    def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        c = self.model_config
-        return (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-
-    def _decide_num_blocks(self, max_model_len: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        # More than max_num_seqs full-length sequences can never be in use; a small model on a big
-        # GPU would otherwise get tens of millions of blocks, and the block manager's lists with them.
-        useful = math.ceil(self.config.max_num_seqs * max_model_len / self.block_size)
-        if self.device.type != "cuda":
-            tokens = max(max_model_len, self.config.max_num_seqs * CPU_TOKENS_PER_SEQ)
-            blocks = math.ceil(tokens / self.block_size)
-            return max(1, min(blocks, useful, CPU_KV_CACHE_BYTES // self.block_bytes))
-        return min(self._measure_num_blocks(max_model_len), useful)
-
-    def _measure_num_blocks(self, max_model_len: int) -> int:
-        """Blocks that fit in gpu_memory_utilization of the GPU after weights and peak activations."""
-        activation_bytes = self._profile_activation_bytes(max_model_len)
-        free, total = torch.cuda.mem_get_info(self.device)
-        # `used` holds the weights, the CUDA context, cuBLAS workspaces and other processes' memory.
-        used = total - free
-        budget = total * self.config.gpu_memory_utilization - used - activation_bytes
-        logger.info(
-            "GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations at %d tokens; "
-            "%.2f GiB left for the KV cache at gpu_memory_utilization %.2f",
-            total / GIB, used / GIB, activation_bytes / GIB, self.config.max_num_batched_tokens, max(budget, 0) / GIB,
-            self.config.gpu_memory_utilization,
-        )  # fmt: skip
-        return max(0, int(budget // self.block_bytes))
-
-    @torch.inference_mode()
-    def _profile_activation_bytes(self, max_model_len: int) -> int:
-        """Peak memory of a forward + sampling at max_num_batched_tokens, beyond the weights.
-
-        The pass needs a KV cache to write to; a temporary one just large enough is allocated and
-        its size is taken back out of the peak.
-        """
-        device = self.device
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        num_tokens = self.config.max_num_batched_tokens
-        seq_len = min(max_model_len, num_tokens)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        blocks = [math.ceil(n / self.block_size) for n in lens]
-        kv = torch.zeros(self._kv_shape(sum(blocks)), dtype=self.dtype, device=device)
-        temp_bytes = kv.numel() * kv.element_size()
-        kv_caches: list[KVCache] = [(layer[0], layer[1]) for layer in kv]
-        first_block = [0]
-        for b in blocks[:-1]:
-            first_block.append(first_block[-1] + b)
-        tables = [[f + i for i in range(max(blocks))] for f in first_block]  # rows past a sequence are unread
-        positions = [p for n in lens for p in range(n)]
-        slots = [f * self.block_size + p for f, n in zip(first_block, lens, strict=True) for p in range(n)]
-        cu_seqlens = [0]
-        for n in lens:
-            cu_seqlens.append(cu_seqlens[-1] + n)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-        )
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.int64, device=device), meta, kv_caches)
-        # Logits and sampling for a full decode batch: the vocabulary-sized tensors are large.
-        rows = min(self.config.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows]).float()
-        sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] + [SamplingParams()] * (rows - 1), [None] * rows)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        del kv, kv_caches, meta, hidden, logits
-        torch.cuda.empty_cache()
-        return max(0, peak - base - temp_bytes)
-
-    def _fit_max_model_len(self, wanted: int, explicit: bool) -> int:
-        pool_tokens = self.num_kv_blocks * self.block_size
-        if pool_tokens >= wanted:
-            return wanted
-        if explicit or pool_tokens < 2:
-            raise ModelError(
-                f"the KV cache holds {pool_tokens} tokens ({self.num_kv_blocks} blocks of {self.block_size}), "
-                f"less than one sequence of max_model_len {wanted}: lower max_model_len to {max(pool_tokens, 0)} or "
-                "less, raise gpu_memory_utilization or num_kv_blocks, lower max_num_batched_tokens, or use a "
-                "device with more free memory"
-            )
-        logger.warning(
-            "the KV cache holds %d tokens, fewer than the model's context of %d: max_model_len lowered to %d "
-            "(set max_model_len, or give the engine more memory)", pool_tokens, wanted, pool_tokens,
-        )  # fmt: skip
-        return pool_tokens
 
 
 def pick_device(device: str | None) -> torch.device:

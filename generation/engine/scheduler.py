@@ -23,6 +23,10 @@ class SchedulerConfig:
         max_model_len: most tokens (prompt + output) of one sequence. Range >= 2.
         block_size: tokens per KV block; must equal the KV cache's and the block manager's. Range >= 1.
         enable_chunked_prefill: split prompts longer than the step's remaining budget over steps.
+        num_scheduler_steps: most model steps one scheduled batch runs when every entry samples:
+            after the first, the batch keeps decoding on the device, each step fed the tokens of
+            the one before, with KV blocks reserved ahead. The host then schedules and syncs
+            once per batch instead of once per token. Range >= 1 (1 = one step per batch).
     """
 
     max_num_seqs: int = 256
@@ -30,6 +34,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     block_size: int = 16
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -43,6 +48,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 (16 is usual), got {self.block_size}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens must be >= max_model_len ({self.max_model_len}) "
@@ -70,11 +77,18 @@ class ScheduledEntry:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """What the model runs in one step, in order: decodes first, then prefill chunks."""
+    """What the model runs in one step, in order: decodes first, then prefill chunks.
+
+    With num_steps > 1 every entry samples, and the batch runs num_steps model steps: the first
+    as scheduled, each later one a decode of every entry fed the token the step before sampled.
+    Blocks are reserved for the tokens a sequence can still use; steps past its end (max_tokens,
+    max_model_len, or a stop the caller finds) produce tokens the caller discards.
+    """
 
     entries: list[ScheduledEntry]
     # Sequences preempted while building this step; they wait for recompute.
     preempted: list[SeqState] = field(default_factory=list)
+    num_steps: int = 1
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -207,20 +221,24 @@ class Scheduler:
         # Admitting after a preemption would take back the blocks just freed and thrash.
         if not preempted:
             self._admit(entries, budget)
-        return ScheduledBatch(entries, preempted)
+        num_steps = self._plan_steps(entries) if not preempted else 1
+        return ScheduledBatch(entries, preempted, num_steps)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[SeqState]:
-        """Account for a step the model ran; returns the sequences that finished and were freed.
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[SeqState]:
+        """Account for a batch the model ran; returns the sequences that finished and were freed.
 
         Args:
-            batch: the step as `schedule` returned it.
-            sampled: seq_id -> token sampled for each entry with `samples` set. The caller's stop
-                logic marks `seq.finished` beforehand; max_tokens and max_model_len are checked here.
+            batch: the batch as `schedule` returned it.
+            sampled: seq_id -> the tokens the caller keeps of what each sampling entry sampled,
+                in order: one per step the batch ran, cut after the sequence's last token (a stop,
+                max_tokens or max_model_len); at least one. The caller's stop logic marks
+                `seq.finished` beforehand; max_tokens and max_model_len are checked here too.
 
         Raises:
-            ValueError: a sampling entry has no token in `sampled`.
+            ValueError: a sampling entry has no token in `sampled`, or more than the batch's steps.
         """
         finished: list[SeqState] = []
+        max_model_len = self.config.max_model_len
         for entry in batch.entries:
             seq = entry.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -228,14 +246,51 @@ class Scheduler:
             assert seq.num_computed_tokens == entry.start_pos, f"{seq} moved since it was scheduled"
             seq.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
-                if seq.seq_id not in sampled:
-                    raise ValueError(f"no sampled token for sequence {seq.seq_id}, which sampled this step")
-                seq.append_token(sampled[seq.seq_id])
+                tokens = sampled.get(seq.seq_id)
+                if not tokens or len(tokens) > batch.num_steps:
+                    raise ValueError(
+                        f"sequence {seq.seq_id} sampled in this batch of {batch.num_steps} step(s) but got "
+                        f"{len(tokens) if tokens else 'no sampled token'}"
+                    )
+                seq.token_ids += tokens
+                # Steps after the first fed each kept token but the last: their KV is computed.
+                seq.num_computed_tokens += len(tokens) - 1
             self.block_manager.register_full_blocks(seq)
-            if seq.finished or seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            if seq.finished or seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
                 self._finish(seq)
                 finished.append(seq)
         return finished
+
+    def final_length(self, seq: SeqState) -> int:
+        """Tokens seq holds when it finishes unless a stop comes first (max_tokens, max_model_len)."""
+        return min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_model_len)
+
+    def _plan_steps(self, entries: list[ScheduledEntry]) -> int:
+        """Steps to run the batch for, reserving the blocks that the steps after the first write.
+
+        Only when every entry samples (a chunk that stops inside its prompt has nothing to
+        decode), and only as many steps as the longest-lived sequence can use. If the pool cannot
+        hold every lookahead, the batch runs one step: no preemption for the sake of lookahead.
+        """
+        max_steps = self.config.num_scheduler_steps
+        if max_steps == 1 or not entries or not all(e.samples for e in entries):
+            return 1
+        manager = self.block_manager
+        # Step 1 samples token num_tokens; step j feeds token num_tokens + j - 2, whose KV needs a slot.
+        capacities: list[int] = []
+        num_steps = needed = 0
+        for entry in entries:
+            seq = entry.seq
+            useful = min(max_steps, self.final_length(seq) - seq.num_tokens)
+            num_steps = max(num_steps, useful)
+            capacities.append(seq.num_tokens + useful - 1)
+            needed += manager.blocks_needed(seq, capacities[-1])
+        if num_steps <= 1 or needed > manager.num_free_blocks:
+            return 1
+        for entry, capacity in zip(entries, capacities, strict=True):
+            grown = manager.ensure_capacity(entry.seq, capacity)
+            assert grown
+        return num_steps
 
     def _reserve_next_block(self, seq: SeqState, scheduled: set[int], preempted: list[SeqState]) -> bool:
         """Make room for seq's pending token, preempting newer sequences; False if seq itself went."""
@@ -263,12 +318,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self._check_fits_pool(seq)
-            if not manager.can_allocate(seq):
+            hits = manager.match(seq)  # hashing and looking up a long prompt once, not three times
+            if not manager.can_allocate(seq, hits):
                 break
-            pending = seq.num_tokens - manager.match_prefix(seq)
+            pending = seq.num_tokens - len(hits) * self.config.block_size
             if pending > budget and not self.config.enable_chunked_prefill:
                 break  # waits for a step where the whole prompt fits
-            manager.allocate(seq)
+            manager.allocate(seq, hits)
             assert seq.num_pending_tokens == pending
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

@@ -1,4 +1,4 @@
-"""Attention for one step: paged KV cache (store, then prefill or decode kernel) or a cache-free dense pass."""
+"""Attention for one step: paged KV cache (rotate, store, prefill and/or decode kernel) or a dense pass."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from generation.layers.kernels import triton_fused_for
 from generation.layers.paged_attention import paged_decode_attention, paged_prefill_attention, store_kvcache
+from generation.layers.rotary import RopeInputs, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
@@ -17,30 +19,36 @@ class AttentionMetadata:
     """Where a step's packed tokens go in the paged KV cache and what each one attends to.
 
     The step's T tokens belong to B sequences, packed back to back. A decode step (`is_prefill`
-    False) has exactly one token per sequence and uses the decode kernel; any step with a prompt
-    chunk uses the varlen prefill kernel, in which decodes ride along as 1-token entries.
+    False) has exactly one token per sequence and uses the decode kernel. A step with prompt
+    chunks (`is_prefill`) may start with `num_decodes` one-token decodes, which the decode kernel
+    serves too; the sequences after them go through the varlen prefill kernel.
     """
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1 = do not store)
     context_lens: torch.Tensor  # [B] int32, cached prefix + new tokens of each sequence
     block_tables: torch.Tensor  # [B, max_blocks] int32, physical blocks, padded with -1
-    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32, prefill only: sequence i owns rows [i], [i + 1]
+    # Prefill only, over the sequences after the decodes: [B - num_decodes + 1] int32, the i-th
+    # such sequence owns rows num_decodes + [cu_seqlens_q[i], cu_seqlens_q[i + 1]).
+    cu_seqlens_q: torch.Tensor | None = None
+    num_decodes: int = 0
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    rope: RopeInputs,
     kv_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Store this step's k, v in the cache, then attend q to each sequence's whole context.
+    """Rotate q and k, store this step's k, v in the cache, then attend q to each sequence's whole context.
 
     Args:
-        q: [T, Hq, D] queries (rotary applied).
-        k, v: [T, Hkv, D] keys and values of the new tokens.
+        q: [T, Hq, D] queries; k, v: [T, Hkv, D] keys and values of the new tokens (not rotated).
+        rope: the step's positions with the rotary tables (torch path) or the cos/sin table the
+            fused kernel reads.
         kv_cache: this layer's cache.
         meta: the step's layout.
         scale: softmax scale.
@@ -49,12 +57,30 @@ def paged_attention(
         [T, Hq, D] attention output.
     """
     k_cache, v_cache = kv_cache
-    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.is_prefill:
-        assert meta.cu_seqlens_q is not None
+    fused = triton_fused_for(q) if rope.cos_sin is not None else None
+    if fused is not None:
+        # One kernel rotates q and k and stores k and v: the rotated k only ever lives in the cache.
+        assert rope.cos_sin is not None
+        q = fused.rotary_store_kvcache(q, k, v, rope.positions, rope.cos_sin, k_cache, v_cache, meta.slot_mapping)
+    else:
+        assert rope.tables is not None, "the torch path needs the rotary tables"
+        q, k = apply_rotary(q, k, *rope.tables)  # rope tables [T, 1, D] broadcast over heads
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not meta.is_prefill:
+        return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
+    assert meta.cu_seqlens_q is not None
+    nd = meta.num_decodes
+    if nd == 0:
         return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
                                        scale)  # fmt: skip
-    return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
+    # Decodes riding along with prompt chunks: the decode kernel reads their context at full
+    # bandwidth, where the prefill kernel's query tiles would be almost all padding.
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    paged_decode_attention(q[:nd], k_cache, v_cache, meta.context_lens[:nd], meta.block_tables[:nd], scale,
+                           out=out[:nd])  # fmt: skip
+    paged_prefill_attention(q[nd:], k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens[nd:],
+                            meta.block_tables[nd:], scale, out=out[nd:])  # fmt: skip
+    return out
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
+
+from generation.layers.kernels import triton_attention_for, triton_available
 
 # Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]. The
 # token at position p of sequence i lives in slot block_tables[i, p // block_size] * block_size +
@@ -19,31 +18,16 @@ import torch.nn.functional as F
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _triton_module() -> ModuleType | None:
-    """The Triton backend, imported on first use so that CPU-only installs never load Triton."""
-    try:
-        from generation.layers import triton_attention
-    except ImportError:
-        return None
-    return triton_attention
-
-
-def _triton_for(t: torch.Tensor) -> ModuleType | None:
-    """The Triton backend if it serves tensors like `t` (CUDA and Triton importable), else None."""
-    return _triton_module() if t.is_cuda else None
-
-
 def attention_backend(device: torch.device | str) -> str:
     """Which backend serves tensors on `device`: "triton" or "torch"."""
-    return "triton" if torch.device(device).type == "cuda" and _triton_module() is not None else "torch"
+    return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
 
 
 def store_kvcache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write k, v ([num_tokens, num_kv_heads, head_dim]) into cache slots; slot -1 skips the token."""
-    backend = _triton_for(k)
+    backend = triton_attention_for(k)
     if backend is not None:
         backend.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     else:
@@ -58,6 +42,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens to their sequences' cached prefix and to each other.
 
@@ -69,13 +54,18 @@ def paged_prefill_attention(
         context_lens: [B] int32, all tokens of sequence i (cached prefix + new).
         block_tables: [B, max_blocks] int32, physical blocks of each sequence (padding -1).
         scale: softmax scale, usually 1 / sqrt(head_dim).
+        out: where to write the result (a [total_new_tokens, num_heads, head_dim] view with
+            unit head-dim stride), else a new tensor.
 
     Returns:
-        [total_new_tokens, num_heads, head_dim] in q's dtype.
+        [total_new_tokens, num_heads, head_dim] in q's dtype (`out` when given).
     """
-    backend = _triton_for(q)
-    fn = backend.paged_prefill_attention if backend is not None else paged_prefill_attention_torch
-    return fn(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    backend = triton_attention_for(q)
+    if backend is not None:
+        return backend.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                               out=out)  # fmt: skip
+    return _into(out, paged_prefill_attention_torch(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                                                    scale))  # fmt: skip
 
 
 def paged_decode_attention(
@@ -85,11 +75,23 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens."""
-    backend = _triton_for(q)
-    fn = backend.paged_decode_attention if backend is not None else paged_decode_attention_torch
-    return fn(q, k_cache, v_cache, context_lens, block_tables, scale)
+    """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens.
+
+    `out`, when given, receives the result (as in paged_prefill_attention).
+    """
+    backend = triton_attention_for(q)
+    if backend is not None:
+        return backend.paged_decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, out=out)
+    return _into(out, paged_decode_attention_torch(q, k_cache, v_cache, context_lens, block_tables, scale))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

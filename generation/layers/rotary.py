@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,18 +42,48 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass
+class RopeInputs:
+    """What a step's attention layers need to rotate q and k.
+
+    Either `tables` (cos and sin per token, applied with torch ops) or `cos_sin` (one row per
+    position, which the fused Triton kernel indexes by `positions` itself) is set.
+    """
+
+    positions: torch.Tensor  # [T] or [B, S] int64
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    cos_sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """Computes rotary cos/sin tables for positions, in the "rotate half" layout of Hugging Face."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int = 8192) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, dict(scaling)
+        self.max_positions = max_positions
         # Not persistent: derived from the config, never loaded from a checkpoint.
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self._cos_sin: dict[torch.dtype, torch.Tensor] = {}
 
     def reset_inv_freq(self) -> None:
         """Recompute the buffer in fp32 on its device (after `to_empty()` or a dtype cast)."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(self.inv_freq.device)
+        self._cos_sin.clear()
+
+    def cos_sin_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """[max_positions, D] in `dtype`: row p holds cos of position p's D / 2 angles, then their sin.
+
+        Built once per dtype, on the first call (which must not be inside a CUDA graph capture),
+        from the same fp32 angles and torch cos/sin as `forward`, so both give the same values.
+        """
+        table = self._cos_sin.get(dtype)
+        if table is None:
+            positions = torch.arange(self.max_positions, device=self.inv_freq.device)
+            freqs = positions.to(torch.float32)[:, None] * self.inv_freq  # [P, D/2]
+            table = torch.cat((freqs.cos().to(dtype), freqs.sin().to(dtype)), dim=-1).contiguous()
+            self._cos_sin[dtype] = table
+        return table
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each [B, 1, S, D] in `dtype`, for positions [B, S]."""

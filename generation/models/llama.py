@@ -10,8 +10,10 @@ from torch import nn
 
 from generation.config import ModelConfig
 from generation.layers.attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
+from generation.layers.kernels import triton_fused_for
+from generation.layers.linear import Linear
 from generation.layers.norm import RMSNorm
-from generation.layers.rotary import RotaryEmbedding, apply_rotary
+from generation.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 
 # Checkpoint names that we load into one fused matrix: fewer, larger matmuls per layer, which
 # matters on CPU where per-op overhead dominates decode. Value: (fused name, shard index).
@@ -35,10 +37,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         # Qwen2 has biases on q/k/v only; Llama's (and Qwen3's) attention_bias covers o_proj too.
         o_bias = config.attention_bias and config.model_type != "qwen2"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -48,7 +50,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         meta: AttentionMetadata | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
@@ -62,13 +64,13 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if meta is None:
             # Dense rows: heads before the sequence axis, as the rotary tables [B, 1, S, D] expect.
+            assert rope.tables is not None
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = apply_rotary(q, k, *rope)
+            q, k = apply_rotary(q, k, *rope.tables)
             out = dense_causal_attention(q, k, v, self.scale).transpose(1, 2)  # [B, S, Hq, D]
         else:
             assert kv_cache is not None, "a paged step needs this layer's KV cache"
-            q, k = apply_rotary(q, k, *rope)  # rope tables [T, 1, D] broadcast over heads
-            out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+            out = paged_attention(q, k, v, rope, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(*lead, self.q_size))
 
 
@@ -78,16 +80,27 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        fused = triton_fused_for(gate_up)
+        if fused is not None:
+            lead = gate_up.shape[:-1]
+            act = fused.silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*lead, self.intermediate_size)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block followed by a pre-norm MLP block, both residual."""
+    """Pre-norm attention block followed by a pre-norm MLP block, both residual.
+
+    The residual stream is passed along separately and added at the start of the next norm, so
+    that one fused kernel does add and norm (the sums are the same as adding after each block).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -99,12 +112,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
         meta: AttentionMetadata | None,
         kv_cache: KVCache | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): their sum is the layer's output.
+
+        `residual` is None for the first layer, whose x is the embedding itself.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -116,7 +139,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table per forward for all layers, instead of recomputing it in each layer.
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
 
     def forward(
         self,
@@ -126,10 +151,17 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache] | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)
+        if meta is not None and triton_fused_for(x) is not None:
+            # The fused rotary kernel looks each position up in a table built once.
+            rope = RopeInputs(positions, cos_sin=self.rotary_emb.cos_sin_table(x.dtype))
+        else:
+            rope = RopeInputs(positions, tables=self.rotary_emb(positions, x.dtype))
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, kv_caches[i] if kv_caches is not None else None)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta, kv_caches[i] if kv_caches is not None else None)
+        if residual is None:  # no layers at all
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def create_empty(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -177,9 +209,9 @@ class LlamaForCausalLM(nn.Module):
             assert input_ids.dim() == 1 and positions is not None and kv_caches is not None
         return self.model(input_ids, positions, meta, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] of hidden states [..., H]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [..., V] of hidden states [..., H], written into `out` ([N, V], for 2-D hidden) when given."""
+        return self.lm_head(hidden, out=out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing packed ones.

@@ -92,7 +92,7 @@ def teacher_forced_logits(engine: LLMEngine, hf_model, prompts: list[list[int]],
             seq = entry.seq
             # The row predicts token number seq.num_tokens from everything before it.
             torch.testing.assert_close(row, ref[seq.seq_id][seq.num_tokens - 1], atol=1e-4, rtol=1e-4)
-            sampled[seq.seq_id] = forced[seq.seq_id][seq.num_tokens]
+            sampled[seq.seq_id] = [forced[seq.seq_id][seq.num_tokens]]
         chunks += sum(not e.samples for e in batch.entries)
         engine.scheduler.postprocess(batch, sampled)
     assert all(s.output_token_ids == forced[s.seq_id][s.num_prompt_tokens :] for s in seqs)
@@ -118,18 +118,20 @@ def test_paged_logits_match_hf_through_chunks_decodes_and_prefix_hits(tiny_model
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_request_and_a_mixed_batch_match_hf(default_model, refs, device):
-    llm = make_llm(default_model[0], device)
+def test_one_request_and_a_mixed_batch_match_hf(default_model, refs, device, steps):
+    llm = make_llm(default_model[0], device, num_scheduler_steps=steps)
     assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == refs[tuple(PROMPTS[0])]
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == ref_tokens(refs, PROMPTS)
     assert all(o.finish_reason == "length" for o in outs)
 
 
+@pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefix_cache_hits_give_the_same_tokens(default_model, refs, device):
-    llm = make_llm(default_model[0], device)
+def test_prefix_cache_hits_give_the_same_tokens(default_model, refs, device, steps):
+    llm = make_llm(default_model[0], device, num_scheduler_steps=steps)
     first = llm.generate([PROMPTS[4]], GREEDY)[0]
     hits = llm.metrics().prefix_cache_hit_tokens
     assert hits == 0
@@ -145,9 +147,10 @@ def test_prefix_cache_hits_give_the_same_tokens(default_model, refs, device):
     assert llm.metrics().prefix_cache_hit_rate > 0
 
 
+@pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("device", DEVICES)
-def test_chunked_prefill_gives_the_same_tokens(default_model, refs, device):
-    llm = make_llm(default_model[0], device, max_num_batched_tokens=8, max_num_seqs=4)
+def test_chunked_prefill_gives_the_same_tokens(default_model, refs, device, steps):
+    llm = make_llm(default_model[0], device, max_num_batched_tokens=8, max_num_seqs=4, num_scheduler_steps=steps)
     batches: list[ScheduledBatch] = []
     schedule = llm.engine.scheduler.schedule
 
@@ -161,13 +164,22 @@ def test_chunked_prefill_gives_the_same_tokens(default_model, refs, device):
     assert any(not e.samples for b in batches for e in b.entries)  # a prompt was split
     assert any(b.num_decode_tokens and b.num_prefill_tokens for b in batches)  # decodes ran beside a chunk
     assert max(b.num_batched_tokens for b in batches) <= 8
+    assert any(b.num_steps > 1 for b in batches) == (steps > 1)
 
 
+@pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_preemption_recomputes_the_same_tokens(default_model, refs, device, prefix_caching):
+def test_preemption_recomputes_the_same_tokens(default_model, refs, device, steps, prefix_caching):
     # 12 blocks of 4 = 48 tokens of KV, while the five requests need 2 + 18 + ... = far more.
-    llm = make_llm(default_model[0], device, num_kv_blocks=12, max_model_len=48, enable_prefix_caching=prefix_caching)
+    llm = make_llm(
+        default_model[0],
+        device,
+        num_kv_blocks=12,
+        max_model_len=48,
+        enable_prefix_caching=prefix_caching,
+        num_scheduler_steps=steps,
+    )
     prompts = PROMPTS[:4] + [PROMPTS[4][:24]]
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -188,6 +200,42 @@ def test_namespaces_never_share_kv(default_model, refs, device):
     a2 = llm.generate([prompt], GREEDY, namespace="lab-a")[0]
     assert llm.metrics().prefix_cache_hit_tokens == (len(prompt) - 1) // BS * BS
     assert a.token_ids == b.token_ids == none.token_ids == a2.token_ids == refs[tuple(prompt)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_steps_per_batch_stop_where_one_step_does(default_model, refs, device):
+    # Stop ids, max_tokens and max_model_len cut a request inside a batch of 8 steps; the tokens
+    # after the cut are discarded and the request ends exactly as with one step per batch.
+    path = default_model[0]
+    prompts = PROMPTS + [[7] * 43]  # 43 + 5 = max_model_len: ends by length after 5 tokens
+    stop_at = {0: refs[tuple(PROMPTS[0])][5], 2: refs[tuple(PROMPTS[2])][2]}
+    max_tokens = [NEW, 4, NEW, 6, NEW, NEW]
+    params = [
+        SamplingParams(max_tokens=m, stop_token_ids=[stop_at[i]] if i in stop_at else [])
+        for i, m in enumerate(max_tokens)
+    ]
+    outs = {}
+    for steps in (1, 8):
+        llm = make_llm(path, device, num_scheduler_steps=steps, max_model_len=48)
+        outs[steps] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.metrics().num_kv_blocks_used == 0
+        llm.engine.block_manager.check_invariants()
+    assert outs[8] == outs[1]
+    assert [reason for _, reason in outs[8]] == ["stop", "length", "stop", "length", "length", "length"]
+    assert len(outs[8][5][0]) == 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_and_streams_do_not_depend_on_steps_per_batch(tiny_model_factory, device):
+    path = tiny_model_factory("default", tokenizer=True)[0]
+    sampled = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True)
+    results = {}
+    for steps in (1, 4):
+        llm = LLM(path, device=device, dtype=torch.float32, num_scheduler_steps=steps)
+        outs = llm.generate([[5, 6, 7], [9] * 11], [sampled, GREEDY])
+        streamed = "".join(llm.stream([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True)))
+        results[steps] = ([o.token_ids for o in outs], streamed)
+    assert results[4] == results[1]
 
 
 def test_stream_closed_early_aborts_and_frees_blocks(tiny_model_factory):
@@ -231,27 +279,35 @@ def test_implicit_max_model_len_shrinks_to_the_cache(default_model, caplog):
 def test_cuda_graph_decode_matches_eager(default_model, dtype):
     engine = LLMEngine(default_model[0], EngineConfig(device="cuda", dtype=dtype, max_num_seqs=32, max_model_len=128))
     runner, scheduler = engine.model_runner, engine.scheduler
-    assert runner.graphs is not None
+    assert runner.graphs is not None and runner.prefill_graphs is not None
     rng = random.Random(0)
-    # 19 sequences finishing one by one: replays pad to the 32 bucket, then 16, 8, 4, 2 and 1.
-    for i in range(19):
-        prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(1, 40))]
-        scheduler.add(SeqState(prompt, max_tokens=1 + i * 3))
-    compared = 0
+    compared = prefill_graphs = 0
     tol = 1e-4 if dtype == "float32" else 3e-2
-    while scheduler.has_unfinished():
-        batch = scheduler.schedule()
-        inputs = runner.prepare_inputs(batch)
-        with torch.inference_mode():
-            hidden = runner.forward(inputs).clone()
-            if not inputs.meta.is_prefill:
-                # The replay wrote this step's KV; the eager pass writes the same values again.
-                eager = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
-                torch.testing.assert_close(hidden, eager, atol=tol, rtol=tol)
-                compared += 1
-            tokens = runner.model.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()
-        scheduler.postprocess(batch, {e.seq.seq_id: t for e, t in zip(batch.sampling_entries, tokens, strict=True)})
-    assert compared > 20
+    # 19 sequences finishing one by one: replays pad to the 32 bucket, then 16, 8, 4, 2 and 1;
+    # then 3 more, whose prompts (a few sequences, few tokens) are a prefill graph's step.
+    for num_seqs in (19, 3):
+        for i in range(num_seqs):
+            prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(1, 40))]
+            scheduler.add(SeqState(prompt, max_tokens=1 + i * 3))
+        while scheduler.has_unfinished():
+            batch = scheduler.schedule()
+            inputs = runner.prepare_inputs(batch)
+            with torch.inference_mode():
+                logits = runner.step_logits(inputs).clone()
+                if inputs.graph or inputs.prefill_graph:
+                    # The replay wrote this step's KV; the eager pass writes the same values again.
+                    hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
+                    if not inputs.is_decode:
+                        hidden = hidden[inputs.logits_indices]
+                    eager = runner.model.compute_logits(hidden)
+                    torch.testing.assert_close(logits.float(), eager.float(), atol=tol, rtol=tol)
+                    compared += 1
+                    prefill_graphs += inputs.prefill_graph
+                tokens = logits.argmax(-1).tolist()
+            # Only the batch's first step ran: one token each (a shorter run than scheduled is allowed).
+            sampled = {e.seq.seq_id: [t] for e, t in zip(batch.sampling_entries, tokens, strict=True)}
+            scheduler.postprocess(batch, sampled)
+    assert compared > 20 and prefill_graphs > 0
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import hashlib
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,12 @@ VOCAB = 16
 STOP = 0  # the fake caller's stop token
 
 
-def next_token(seq: SeqState, upto: int) -> int:
-    """The fake model's pick after the first `upto` tokens: depends on the whole context.
+def next_token(seq: SeqState, upto: int, tokens: list[int] | None = None) -> int:
+    """The fake model's pick after the first `upto` tokens (of seq, or of `tokens`): depends on the whole context.
 
     blake2b, not hash(): str hashes change between processes, and the tests must not.
     """
-    context = repr((seq.namespace, seq.token_ids[:upto])).encode()
+    context = repr((seq.namespace, (seq.token_ids if tokens is None else tokens)[:upto])).encode()
     return hashlib.blake2b(context, digest_size=4).digest()[0] % VOCAB
 
 
@@ -46,32 +47,56 @@ class FakeRunner:
     """Stands in for the model runner: checks the KV it attends to and writes the KV it computes.
 
     Each slot gets a fingerprint of (namespace, context up to that token), so a wrong block
-    table, a bad prefix-cache hit or a write into a shared block shows up as a mismatch.
+    table, a bad prefix-cache hit or a write into a shared block shows up as a mismatch. A batch
+    of several steps decodes on after the first, each step fed the token the step before sampled,
+    as the model runner does; steps past a sequence's useful end write only into blocks it holds.
     """
 
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
         self.kv: dict[int, int] = {}
 
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+    def run(self, batch: ScheduledBatch, final_length: Callable[[SeqState], int]) -> dict[int, list[int]]:
+        """seq_id -> one token per step of the batch for each sampling entry."""
         sampled = {}
         for entry in batch.entries:
             seq, start, end = entry.seq, entry.start_pos, entry.start_pos + entry.num_new_tokens
             assert start == seq.num_computed_tokens and end <= seq.num_tokens
             assert len(seq.block_table) * BS >= end, "scheduled tokens without blocks"
-            for pos, slot in enumerate(seq.slot_mapping(0, start, BS)):
-                assert self.kv[slot] == self._print(seq, pos), f"{seq} attends to foreign KV at {pos}"
-            for pos, slot in enumerate(seq.slot_mapping(start, end, BS), start):
-                assert self.bm.ref_count(seq.block_table[pos // BS]) == 1, "wrote into a shared block"
-                self.kv[slot] = self._print(seq, pos)
+            self._attend(seq, seq.token_ids, start)
+            for pos in range(start, end):
+                self._write(seq, seq.token_ids, pos)
             assert entry.samples == (end == seq.num_tokens)
-            if entry.samples:
-                sampled[seq.seq_id] = next_token(seq, end)
+            if not entry.samples:
+                continue
+            tokens = list(seq.token_ids)
+            tokens.append(next_token(seq, end, tokens))
+            useful = min(batch.num_steps, final_length(seq) - seq.num_tokens)
+            for step in range(2, batch.num_steps + 1):
+                pos = len(tokens) - 1  # the token the step before sampled
+                reserved = pos < len(seq.block_table) * BS
+                assert reserved or step > useful, f"{seq}: no block reserved for lookahead step {step}"
+                if reserved:
+                    if step <= useful:
+                        self._attend(seq, tokens, pos)
+                    self._write(seq, tokens, pos)
+                tokens.append(next_token(seq, len(tokens), tokens))
+            sampled[seq.seq_id] = tokens[seq.num_tokens :]
         return sampled
 
+    def _attend(self, seq: SeqState, tokens: list[int], upto: int) -> None:
+        for pos in range(upto):
+            slot = seq.block_table[pos // BS] * BS + pos % BS
+            assert self.kv[slot] == self._print(seq, tokens, pos), f"{seq} attends to foreign KV at {pos}"
+
+    def _write(self, seq: SeqState, tokens: list[int], pos: int) -> None:
+        block = seq.block_table[pos // BS]
+        assert self.bm.ref_count(block) == 1, "wrote into a shared block"
+        self.kv[block * BS + pos % BS] = self._print(seq, tokens, pos)
+
     @staticmethod
-    def _print(seq: SeqState, pos: int) -> int:
-        return hash((seq.namespace, tuple(seq.token_ids[: pos + 1])))
+    def _print(seq: SeqState, tokens: list[int], pos: int) -> int:
+        return hash((seq.namespace, tuple(tokens[: pos + 1])))
 
 
 def make(num_blocks: int = 64, prefix_cache: bool = True, **config: int | bool) -> tuple[Scheduler, FakeRunner]:
@@ -81,15 +106,26 @@ def make(num_blocks: int = 64, prefix_cache: bool = True, **config: int | bool) 
     return Scheduler(cfg, bm), FakeRunner(bm)
 
 
+def keep(sched: Scheduler, batch: ScheduledBatch, sampled: dict[int, list[int]], stop: bool) -> dict[int, list[int]]:
+    """The engine's stop logic: cut each sequence's tokens after STOP (with `stop`) or its final length."""
+    kept = {}
+    for entry in batch.sampling_entries:
+        seq = entry.seq
+        tokens = sampled[seq.seq_id][: sched.final_length(seq) - seq.num_tokens]
+        if stop and STOP in tokens:
+            tokens = tokens[: tokens.index(STOP) + 1]
+            seq.finished = True
+        kept[seq.seq_id] = tokens
+    return kept
+
+
 def step(sched: Scheduler, runner: FakeRunner, stop: bool = False) -> tuple[ScheduledBatch, list[SeqState]]:
     """One engine step; with `stop`, the caller finishes a sequence that samples STOP."""
     batch = sched.schedule()
     assert batch.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert sched.num_running <= sched.config.max_num_seqs
-    sampled = runner.run(batch)
-    for entry in batch.sampling_entries:
-        if stop and sampled[entry.seq.seq_id] == STOP:
-            entry.seq.finished = True  # the engine's stop logic
+    assert batch.num_steps == 1 or all(e.samples for e in batch.entries)
+    sampled = keep(sched, batch, runner.run(batch, sched.final_length), stop)
     finished = sched.postprocess(batch, sampled)
     sched.block_manager.check_invariants()
     return batch, finished
@@ -269,7 +305,7 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
     assert sched.block_manager.num_used_blocks == 3
     assert sched.abort(waiting.seq_id) and sched.num_waiting == 0
     batch = sched.schedule()
-    sampled = runner.run(batch)
+    sampled = runner.run(batch, sched.final_length)
     assert sched.abort(running.seq_id)  # arrives while the model runs the step
     assert sched.postprocess(batch, sampled) == []
     assert not sched.has_unfinished() and running.status is SeqStatus.FINISHED
@@ -295,11 +331,11 @@ def test_postprocess_finishes_on_stop_flag_max_tokens_and_max_model_len() -> Non
         sched.add(seq)
     batch = sched.schedule()
     by_flag.finished = True  # the engine's stop logic saw a stop string
-    assert sched.postprocess(batch, {e.seq.seq_id: 5 for e in batch.entries}) == [by_flag]
+    assert sched.postprocess(batch, {e.seq.seq_id: [5] for e in batch.entries}) == [by_flag]
     finished_at: dict[int, int] = {}
     while sched.has_unfinished():
         batch = sched.schedule()
-        for seq in sched.postprocess(batch, {e.seq.seq_id: 5 for e in batch.entries}):
+        for seq in sched.postprocess(batch, {e.seq.seq_id: [5] for e in batch.entries}):
             finished_at[seq.seq_id] = seq.num_tokens
     assert finished_at == {by_tokens.seq_id: 4, by_length.seq_id: 10}
     assert by_flag.num_output_tokens == 1 and by_flag.status is SeqStatus.FINISHED
@@ -307,10 +343,12 @@ def test_postprocess_finishes_on_stop_flag_max_tokens_and_max_model_len() -> Non
 
 
 @pytest.mark.parametrize(
-    ("chunked", "prefix_cache", "seed"), [(True, True, 0), (True, False, 1), (False, True, 2), (True, True, 3)]
-)
+    ("chunked", "prefix_cache", "seed", "steps"),
+    [(True, True, 0, 1), (True, False, 1, 1), (False, True, 2, 1), (True, True, 3, 1), (True, True, 4, 4),
+     (False, False, 5, 3), (True, True, 6, 8)],
+)  # fmt: skip
 def test_random_workload_completes_with_reference_outputs_and_frees_everything(
-    chunked: bool, prefix_cache: bool, seed: int
+    chunked: bool, prefix_cache: bool, seed: int, steps: int
 ) -> None:
     rng = random.Random(seed)
     max_model_len = 48
@@ -321,12 +359,14 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
         max_num_batched_tokens=48 if not chunked else 20,
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
+        num_scheduler_steps=steps,
     )
     docs = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     expected: dict[int, list[int]] = {}
     requests: list[SeqState] = []
     aborted: set[int] = set()
     num_chunks = 0  # prefill entries that stop inside a prompt
+    num_multi_step = 0  # batches that ran more than one step
     for i in range(60):
         # Requests keep arriving while others run, as RAG queries over shared documents do.
         for _ in range(rng.choice([0, 0, 1, 2])):
@@ -344,6 +384,7 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
         if sched.has_unfinished():
             batch, _ = step(sched, runner, stop=True)
             num_chunks += sum(1 for e in batch.entries if not e.samples)
+            num_multi_step += batch.num_steps > 1
     run_to_completion(sched, runner, stop=True)
     bm = sched.block_manager
     bm.check_invariants()
@@ -356,6 +397,49 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
     if prefix_cache:
         assert bm.num_hit_tokens > 0
     assert (num_chunks > 0) == chunked
+    assert (num_multi_step > 0) == (steps > 1)
+
+
+def test_a_batch_where_every_entry_samples_runs_several_steps_with_blocks_reserved() -> None:
+    sched, runner = make(num_scheduler_steps=4, max_model_len=64)
+    a = SeqState(range(1, 7), max_tokens=50, arrival_time=0)  # 6 tokens: the prompt fits one step
+    sched.add(a)
+    batch, _ = step(sched, runner)
+    # The prefill step samples token 7, three decode steps follow: KV up to position 8, 9 tokens held.
+    assert batch.num_steps == 4 and a.num_tokens == 10 and a.num_computed_tokens == 9
+    assert len(a.block_table) == 3  # blocks for 9 tokens, no more
+    assert a.output_token_ids == reference_output(list(range(1, 7)), None, 50, 64)[:4]
+    b = SeqState(range(20, 31), max_tokens=2, arrival_time=1)
+    sched.add(b)
+    batch, _ = step(sched, runner)
+    assert shape(batch) == [(a.seq_id, 1, 9, True), (b.seq_id, 11, 0, True)] and batch.num_steps == 4
+    assert b.status is SeqStatus.FINISHED and b.num_output_tokens == 2  # steps past its end discarded
+    assert a.num_output_tokens == 8
+
+
+def test_lookahead_is_capped_by_what_any_sequence_can_use() -> None:
+    sched, runner = make(num_scheduler_steps=8)
+    short = SeqState([1, 2, 3], max_tokens=3)
+    sched.add(short)
+    batch, _ = step(sched, runner)
+    assert batch.num_steps == 3 and short.status is SeqStatus.FINISHED
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_a_prompt_chunk_or_a_short_pool_runs_one_step() -> None:
+    sched, runner = make(num_scheduler_steps=4, max_num_batched_tokens=8, max_num_seqs=4)
+    a = SeqState([1, 2], max_tokens=50, arrival_time=0)
+    sched.add(a)
+    step(sched, runner)
+    sched.add(SeqState(range(1, 21), max_tokens=50, arrival_time=1))
+    batch, _ = step(sched, runner)  # a decodes, b's first chunk stops inside its prompt
+    assert batch.num_steps == 1
+    # 2 blocks of 4: a holds both after its first batch (2 + 4 tokens); a lookahead needs a third.
+    sched, runner = make(num_blocks=2, num_scheduler_steps=4)
+    c = SeqState([1, 2], max_tokens=50)
+    sched.add(c)
+    assert step(sched, runner)[0].num_steps == 4
+    assert step(sched, runner)[0].num_steps == 1  # the pool has no block for the lookahead
 
 
 _TORCH_BLOCKED_IMPORT = """

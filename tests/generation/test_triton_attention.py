@@ -182,6 +182,17 @@ def test_prefill_block_size_32(tri, heads):
     _check_prefill(tri, lens, new, heads, 32, HALF, seed=11)
 
 
+def test_prefill_of_a_short_chunk_over_a_long_prefix_splits_the_keys(tri):
+    # The prefix-cache case: a question of ~100 tokens after 4,000 cached ones. Few (tile, head)
+    # programs would each walk the whole context, so the keys are split over programs.
+    lens, new = ([4096, 300], [96, 1]) if not INTERPRET else ([400, 130], [40, 1])
+    block_tables_width = -(-max(lens) // 16)
+    assert tri.prefill_num_splits(sum(new), (sum(new) // 32 + 2) * 8, block_tables_width * 16,
+                                  torch.device(DEVICE))[0] > 1  # fmt: skip
+    _check_prefill(tri, lens, new, LLAMA_8B, 16, HALF, seed=15)
+    _check_prefill(tri, lens, new, SMOLLM2, 16, HALF, seed=16)
+
+
 def test_prefill_fp32_and_mha(tri):
     _check_prefill(tri, [70, 200], [70, 50], (4, 4, 64), 16, torch.float32, seed=12)
 

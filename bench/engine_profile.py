@@ -1,0 +1,127 @@
+"""Where a step's time goes on the GPU: decode graph replays, fused kernels on/off, an eager short prefill.
+
+Called by bench/engine_llama8b.py (`--only profile`) with its loaded engine; every figure is GPU
+time from CUDA events (or host wall time where it says so), beside the bandwidth floor of the
+same run. Sequences are allocated from the engine's own block pool and released afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from generation import LLM, SamplingParams
+from generation.engine.cuda_graphs import DecodeGraphs
+from generation.engine.decode_inputs import DecodeInputs
+from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
+from generation.engine.seq_state import SeqState
+from generation.layers.kernels import set_fused_kernels
+
+
+def gpu_ms(fn, reps: int = 20) -> float:
+    """Median GPU milliseconds of fn over reps runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[SeqState]:
+    rng = random.Random(seed)
+    bm = llm.engine.block_manager
+    seqs = []
+    for _ in range(n):
+        seq = SeqState([rng.randrange(10, 100000) for _ in range(context)], max_tokens=1)
+        bm.allocate(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def profile(llm: LLM, floor_ms: float) -> None:
+    runner = llm.engine.model_runner
+    bm = llm.engine.block_manager
+    graphs = runner.graphs
+    assert graphs is not None, "the profile needs CUDA graphs"
+    print("profile: GPU time of one decode step (CUDA graph replay: forward + LM head), bf16")
+    with torch.inference_mode():
+        for batch, context in [(1, 640), (16, 843), (64, 843), (256, 843)]:
+            seqs = _sequences(llm, batch, context, seed=batch)
+            entries = [ScheduledEntry(s, 1, context - 1, samples=True) for s in seqs]
+            runner.decode_inputs.write(entries, graphs.bucket(batch))
+            ms = gpu_ms(lambda b=batch: graphs.replay(b))
+            extra = f" ({floor_ms / ms * 100:.0f}% of the {floor_ms:.2f} ms floor)" if batch == 1 else ""
+            print(f"  batch {batch:<4} context {context}: {ms:.3f} ms per step, {batch / ms * 1e3:,.0f} tok/s{extra}")
+            for s in seqs:
+                bm.deallocate(s)
+
+        # The same batch-1 step with the fused kernels off: the torch ops they replace, cuBLAS matmuls.
+        seqs = _sequences(llm, 1, 640, seed=7)
+        entries = [ScheduledEntry(seqs[0], 1, 639, samples=True)]
+        times = {}
+        for fused in (False, True):
+            set_fused_kernels(fused)
+            inputs = DecodeInputs(1, runner.max_blocks_per_seq, runner.block_size, runner.device)
+            one = DecodeGraphs(runner.model, runner.kv_caches, inputs)
+            inputs.write(entries, 1)
+            times[fused] = gpu_ms(lambda g=one: g.replay(1))
+            del one
+        set_fused_kernels(True)
+        print(f"  batch 1, fused kernels off: {times[False]:.3f} ms, on: {times[True]:.3f} ms per step")
+        for s in seqs:
+            bm.deallocate(s)
+
+        # A whole 8-step batch at batch 1 as the engine runs it (replays, argmax, token copies,
+        # input advances), against 8 bare replays: what the steps cost beyond the graph.
+        seqs = _sequences(llm, 1, 648, seed=9)
+        steps = runner.num_scheduler_steps
+        batch = ScheduledBatch([ScheduledEntry(seqs[0], 1, 639, samples=True)], num_steps=steps)
+        walls = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            list(runner.execute(batch, [SamplingParams()], [None]))
+            walls.append((time.perf_counter() - t) * 1e3 / steps)
+        logits = graphs.replay(1)
+        tokens = logits.argmax(-1)
+        parts = {
+            "argmax": gpu_ms(lambda: logits.argmax(-1), reps=50),
+            "advance": gpu_ms(lambda: runner.decode_inputs.advance(tokens), reps=50),
+            "token copy": gpu_ms(lambda: runner._publish(0, tokens), reps=50),
+        }
+        print(
+            f"  batch 1, a {steps}-step batch through ModelRunner.execute: {sorted(walls)[2]:.3f} ms per step (wall); "
+            + ", ".join(f"{k} {v * 1e3:.0f} us" for k, v in parts.items())
+        )
+        for s in seqs:
+            bm.deallocate(s)
+
+        # The short prefill over a cached prefix (the prefix-cache TTFT case): graph and eager.
+        seqs = _sequences(llm, 1, 4096, seed=8)
+        seqs[0].num_computed_tokens = 4000
+        batch = ScheduledBatch([ScheduledEntry(seqs[0], 96, 4000, samples=True)])
+        prefill_graphs = runner.prefill_graphs
+        for name, graph in (("graph", prefill_graphs), ("eager", None)):
+            runner.prefill_graphs = graph
+            gpu = gpu_ms(lambda: runner.step_logits(runner.prepare_inputs(batch)), reps=10)
+            walls = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                runner.step_logits(runner.prepare_inputs(batch)).argmax(-1).tolist()
+                walls.append((time.perf_counter() - t) * 1e3)
+            print(
+                f"  prefill of 96 new tokens over 4,000 cached ({name}): {gpu:.2f} ms GPU span, "
+                f"{sorted(walls)[2]:.2f} ms host wall to the token"
+            )
+        runner.prefill_graphs = prefill_graphs
+        for s in seqs:
+            bm.deallocate(s)
+    bm.reset_prefix_cache()

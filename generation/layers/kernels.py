@@ -1,0 +1,45 @@
+"""Which kernels serve a tensor: Triton modules on CUDA when Triton imports, else the torch reference."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+# The fused kernels (norms, rotary + KV store, SiLU-and-mul, few-row matmuls) can be switched off
+# to measure what they save or to bisect a numerical difference; attention always uses Triton on CUDA.
+_fused_enabled = True
+
+
+def set_fused_kernels(enabled: bool) -> None:
+    """Use (True, the default) or skip the fused Triton kernels for models run after this call.
+
+    CUDA graphs keep the kernels they were captured with: set this before the engine is built.
+    """
+    global _fused_enabled
+    _fused_enabled = enabled
+
+
+@functools.cache
+def _triton_module(name: str) -> ModuleType | None:
+    """generation.layers.<name>, imported on first use so that CPU-only installs never load Triton."""
+    try:
+        return importlib.import_module(f"generation.layers.{name}")
+    except ImportError:
+        return None
+
+
+def triton_attention_for(t: torch.Tensor) -> ModuleType | None:
+    """The Triton attention kernels if they serve tensors like `t` (CUDA, Triton importable), else None."""
+    return _triton_module("triton_attention") if t.is_cuda else None
+
+
+def triton_fused_for(t: torch.Tensor) -> ModuleType | None:
+    """The fused Triton kernels if they serve tensors like `t` and are switched on, else None."""
+    return _triton_module("triton_fused") if t.is_cuda and _fused_enabled else None
+
+
+def triton_available() -> bool:
+    return _triton_module("triton_attention") is not None
