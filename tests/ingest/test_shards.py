@@ -100,7 +100,8 @@ def test_shards_then_merge_equal_one_job(tmp_path, rag_factory, corpus, single):
     num_docs = single.index().stats()["documents"]
     assert all(r.report.ok for r in runs)
     assert sum(r.report.added for r in runs) == num_docs
-    assert all(r.report.added for r in runs), "the hash should give every shard some documents"
+    # (Which shard gets which document depends on the absolute paths, i.e. on the temporary
+    # directory: a shard may by chance get none, which the merge must handle too.)
     assert rag.catalog.find_collection("default") is None  # shards never write the main catalog
 
     # A missing shard, then one whose job did not finish: refused, naming them.
