@@ -34,6 +34,31 @@ def gpu_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_breakdown(step, step_ms: float, floor_ms: float, reps: int = 10) -> None:
+    """Print per-kernel GPU time of `step` (a graph replay) from the profiler's kernel records."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    per_kind: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kind.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    busy = sum(sum(t) for t in per_kind.values()) / reps / 1e3
+    launches = sum(len(t) for t in per_kind.values()) / reps
+    print(
+        f"  batch 1 kernels: {launches:.0f} per step, busy {busy:.3f} ms of the {step_ms:.3f} ms step "
+        f"(gaps {step_ms - busy:.3f} ms; floor {floor_ms:.2f} ms)"
+    )
+    for name, times in sorted(per_kind.items(), key=lambda kv: -sum(kv[1]))[:14]:
+        print(f"    {sum(times) / reps:8.1f} us  x{len(times) / reps:<4.0f} {name[:90]}")
+
+
 def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[SeqState]:
     rng = random.Random(seed)
     bm = llm.engine.block_manager
@@ -61,6 +86,15 @@ def profile(llm: LLM, floor_ms: float) -> None:
             print(f"  batch {batch:<4} context {context}: {ms:.3f} ms per step, {batch / ms * 1e3:,.0f} tok/s{extra}")
             for s in seqs:
                 bm.deallocate(s)
+
+        # Kernel by kernel, the batch-1 step: what each kind costs per step, and how much of the
+        # step no kernel runs (launch gaps between the graph's nodes).
+        seqs = _sequences(llm, 1, 640, seed=5)
+        runner.decode_inputs.write([ScheduledEntry(seqs[0], 1, 639, samples=True)], graphs.bucket(1))
+        step_ms = gpu_ms(lambda: graphs.replay(1))
+        kernel_breakdown(lambda: graphs.replay(1), step_ms, floor_ms)
+        for s in seqs:
+            bm.deallocate(s)
 
         # The same batch-1 step with the fused kernels off: the torch ops they replace, cuBLAS matmuls.
         seqs = _sequences(llm, 1, 640, seed=7)

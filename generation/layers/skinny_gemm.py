@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +28,10 @@ class SkinnyConfig:
     block_k: int
     num_stages: int
     num_warps: int = 4
+    # Programs per column block, each over 1/split_k of K. Small weights (4096 x 4096) have too
+    # few column blocks to keep 132 SMs streaming; splitting K multiplies the programs. The last
+    # program of a column block to finish sums the partials, so no second kernel is launched.
+    split_k: int = 1
 
 
 # Narrow column blocks give many programs (several resident per SM, so waves stay even); deep
@@ -36,44 +41,87 @@ CANDIDATES = (
     SkinnyConfig(32, 256, 4),
     SkinnyConfig(16, 512, 3),
     SkinnyConfig(32, 128, 6),
+    SkinnyConfig(16, 256, 4, split_k=2),
+    SkinnyConfig(32, 256, 4, split_k=2),
+    SkinnyConfig(32, 256, 4, split_k=4),
+    SkinnyConfig(64, 128, 4, split_k=4),
 )
 
 # (N, K, dtype) -> the config that beat cuBLAS, or None where cuBLAS won.
 _choices: dict[tuple[int, int, torch.dtype], SkinnyConfig | None] = {}
+# (device, N, split_k, block_n) -> (fp32 partials [split_k, 16, N], int32 arrival counters per column
+# block). Shared by every layer of a shape: one stream runs them one after another, and the last
+# program of each column block resets its counter, so a graph replay finds them at zero.
+_workspaces: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 # M not specialised: one binary serves every row count (the value 1 would otherwise get its own).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Rows padded to 16, the MMA's minimum: the matrix units idle, but the loads feeding tl.dot
     # are what Triton pipelines (num_stages deep), which keeps enough weight bytes in flight.
     BLOCK_M: tl.constexpr = 16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    k_first = pid_k * per_split
+    k_last = tl.minimum(k_first + per_split, k_blocks)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_first * BLOCK_K + offs_k[None, :]
+    # [BLOCK_K, BLOCK_N] tile of the weight, starting at this split's first K block
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_first * BLOCK_K + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(k_first, k_last):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < K - k * BLOCK_K
+            k_ok = offs_k < K - kb * BLOCK_K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_k * BLOCK_M * N, acc, mask=out_mask)
+        # Every thread's partial is stored before one thread announces it (release, GPU scope);
+        # the program that arrives last acquires all of them and writes the sum.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (or graph replay)
+
+
+def _workspace(device: torch.device, n: int, config: SkinnyConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, n, config.split_k, config.block_n)
+    if key not in _workspaces:
+        _workspaces[key] = (
+            torch.empty(config.split_k, MAX_ROWS, n, dtype=torch.float32, device=device),
+            torch.zeros(triton.cdiv(n, config.block_n), dtype=torch.int32, device=device),
+        )
+    return _workspaces[key]
 
 
 def skinny_gemm(
@@ -90,10 +138,12 @@ def skinny_gemm(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
-    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_stages=config.num_stages, num_warps=config.num_warps,
+    partials, counters = _workspace(x.device, n, config) if config.split_k > 1 else (out, out)
+    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, SPLIT_K=config.split_k,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_stages=config.num_stages, num_warps=config.num_warps,
     )  # fmt: skip
     return out
 
@@ -108,39 +158,61 @@ def choice_for(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
 def choose(weights: list[torch.Tensor]) -> None:
     """Time cuBLAS and each candidate config on every distinct weight shape; remember the winners.
 
+    Timed as a decode step runs them: one CUDA graph calls the kernel on every weight of the shape
+    in turn (each layer's own matrix, so the L2 holds none of them), and the replay's time is
+    divided by the calls. Flushing the L2 between eager calls instead (triton's do_bench) leaves
+    it full of dirty lines and adds launch gaps; choices made that way were seen to slow decode.
     Both at 1 and MAX_ROWS rows: the kernel serves every count in between, so it must win at both.
-    Timed with the L2 flushed before each call, as a decode step finds it (the other layers'
-    weights have gone through since).
     """
-    seen = set()
+    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
     for w in weights:
         key = (w.shape[0], w.shape[1], w.dtype)
-        if key in seen or key in _choices or w.dtype not in (torch.bfloat16, torch.float16):
-            continue
-        seen.add(key)
-        n, k = w.shape
+        if key not in _choices and w.dtype in (torch.bfloat16, torch.float16):
+            groups.setdefault(key, []).append(w)
+    for key, ws in groups.items():
+        n, k, _ = key
         best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
         times = {}
         for rows in (1, MAX_ROWS):
-            x = torch.randn(rows, k, dtype=w.dtype, device=w.device)
-            times[("cublas", rows)] = _time(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-            for config in CANDIDATES:
-                times[(config, rows)] = _time(lambda x=x, w=w, c=config: skinny_gemm(x, w, None, c))
+            x = torch.randn(rows, k, dtype=ws[0].dtype, device=ws[0].device)
+            times[("cublas", rows)] = _time([functools.partial(torch.nn.functional.linear, x, w) for w in ws])
+            for c in CANDIDATES:
+                times[(c, rows)] = _time([functools.partial(skinny_gemm, x, w, None, c) for w in ws])
         for config in CANDIDATES:
             worst = max(times[(config, r)] / times[("cublas", r)] for r in (1, MAX_ROWS))
             if worst < 1.0 - MIN_GAIN and times[(config, 1)] < best[0]:
                 best = (times[(config, 1)], config)
         _choices[key] = best[1]
-        gbps = n * k * w.element_size() / (times[("cublas", 1)] * 1e-3) / 1e9
+        size = n * k * ws[0].element_size()
         ours = best[0] if best[1] is not None else min(times[(c, 1)] for c in CANDIDATES)
         logger.info(
-            "matmul %dx%d at 1 row: cuBLAS %.1f us (%.0f GB/s), Triton best %.1f us (%.0f GB/s): %s",
-            n, k, times[("cublas", 1)] * 1e3, gbps, ours * 1e3, n * k * w.element_size() / (ours * 1e-3) / 1e9,
+            "matmul %dx%d at 1 row (%d weights): cuBLAS %.1f us (%.0f GB/s), Triton best %.1f us (%.0f GB/s): %s",
+            n, k, len(ws), times[("cublas", 1)] * 1e3,
+            size / (times[("cublas", 1)] * 1e-3) / 1e9, ours * 1e3, size / (ours * 1e-3) / 1e9,
             "Triton " + str(best[1]) if best[1] is not None else "cuBLAS",
         )  # fmt: skip
 
 
-def _time(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=20, return_mode="median")
+def _time(calls: list) -> float:
+    """Median milliseconds per call of `calls`, run back to back in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:  # compile, and let cuBLAS pick its kernels, outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
