@@ -112,6 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="decode,throughput,prefix,overhead")
     ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="engine concurrency (decode batch ceiling)")
     ap.add_argument("--hf-prompts", type=int, default=32, help="subsample for the HF throughput peer")
     ap.add_argument("--skip-hf", action="store_true", help="no Hugging Face peers (quick runs)")
     ap.add_argument("--folder", default=None, help="reuse a saved random model folder")
@@ -182,8 +183,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
 
-    llm = LLM(folder, device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4608)
-    print(f"engine: {llm.engine.model_runner.num_scheduler_steps} scheduler steps per batch")
+    llm = LLM(folder, device="cuda", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192, max_model_len=4608)
+    print(f"engine: max_num_seqs {args.max_num_seqs}, {llm.engine.model_runner.num_scheduler_steps} scheduler steps per batch")
     if "decode" in only:
         params = SamplingParams(max_tokens=256, ignore_eos=True)
         llm.generate([prompt512], params)  # warm-up
