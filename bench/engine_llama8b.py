@@ -184,7 +184,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     llm = LLM(folder, device="cuda", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192, max_model_len=4608)
-    print(f"engine: max_num_seqs {args.max_num_seqs}, {llm.engine.model_runner.num_scheduler_steps} scheduler steps per batch")
+    steps = llm.engine.model_runner.num_scheduler_steps
+    print(f"engine: max_num_seqs {args.max_num_seqs}, {steps} scheduler steps per batch")
     if "decode" in only:
         params = SamplingParams(max_tokens=256, ignore_eos=True)
         llm.generate([prompt512], params)  # warm-up
