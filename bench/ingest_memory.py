@@ -67,12 +67,12 @@ def make_corpus(root: Path, n: int, seed: int = 0) -> None:
                 f.write(json.dumps(record) + "\n")
 
 
-def run_ingest(home: Path, corpus: Path, log: Path) -> tuple[dict, int, float]:
-    """One `rag ingest --json`: (summary, peak RSS in bytes, wall seconds)."""
+def run_ingest(home: Path, corpus: Path, log: Path, extra: list[str]) -> tuple[dict, int, float]:
+    """One `rag ingest --json` (+ extra options): (summary, peak RSS in bytes, wall seconds)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with log.open("w") as out, (log.with_suffix(".err")).open("w") as err:
-        proc = subprocess.Popen(RAG + ["--home", str(home), "ingest", str(corpus), "--json"], env=env,
+        proc = subprocess.Popen(RAG + ["--home", str(home), "ingest", str(corpus), "--json", *extra], env=env,
                                 stdout=out, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -97,10 +97,22 @@ def state_bytes(home: Path) -> tuple[int, int, int]:
     return stats["documents"], stats["chunks"], size
 
 
+def start_postgres(home: Path) -> str:
+    """Start (or find) the local PostgreSQL + pgvector server of `home`; its DSN."""
+    from rag.db import local_dsn
+
+    subprocess.run(RAG + ["--home", str(home), "db", "start"], check=True, capture_output=True)
+    dsn = local_dsn(home)
+    assert dsn, "rag db start left no running server"
+    return dsn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[5000, 10000, 20000])
     parser.add_argument("--keep", type=Path, help="keep corpora and data directories here")
+    parser.add_argument("--store", default="faiss", choices=["faiss", "pgvector"],
+                        help="pgvector: vectors live in a local server (`rag db start`), outside the measured process")
     args = parser.parse_args()
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="ingest-memory-"))
@@ -109,14 +121,21 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {datetime.date.today()}")
     print(f"# load average at start: {os.getloadavg()[0]:.1f} (a shared machine slows the rates, not the memory)")
     rows = []
+    dsn = start_postgres(work / "pg-home") if args.store == "pgvector" else None
+    print(f"# store: {args.store}", flush=True)
     for n in [BASELINE, *args.sizes]:
         corpus, home = work / f"corpus-{n}", work / f"home-{n}"
         if not corpus.exists():
             make_corpus(corpus, n)
         shutil.rmtree(home, ignore_errors=True)  # a first ingest each time, also with --keep
-        first, peak, wall = run_ingest(home, corpus, work / f"first-{n}.json")
-        again, peak_again, wall_again = run_ingest(home, corpus, work / f"again-{n}.json")
-        docs, chunks, states = state_bytes(home)
+        # pgvector: a new collection each time (the server outlives the data directories)
+        extra = ["--store", args.store] + (["--dsn", dsn, "--collection", f"c{n}_{int(time.time())}"] if dsn else [])
+        first, peak, wall = run_ingest(home, corpus, work / f"first-{n}.json", extra)
+        again, peak_again, wall_again = run_ingest(home, corpus, work / f"again-{n}.json", extra)
+        if dsn:
+            docs, chunks, states = first["collection_stats"]["documents"], first["collection_stats"]["chunks"], 0
+        else:
+            docs, chunks, states = state_bytes(home)
         assert again["unchanged"] == first["documents"] and again["chunks_written"] == 0, again
         rows.append((n, docs, chunks, first, peak, wall, again, peak_again, wall_again, states))
         print(f"  {n} documents: first {wall:.0f}s, peak {peak / 2**20:.0f} MiB; re-run {wall_again:.0f}s, "
@@ -140,8 +159,11 @@ def main() -> None:
               f"{rates['embed_chunks_per_second']:.0f} | {peak / 2**20:.0f} | {peak / base_peak:.2f}x | "
               f"{growth:,.0f} | {marginal:,.0f} | {wall_again:.0f} | {docs / wall_again:.0f} | "
               f"{peak_again / 2**20:.0f} | {growth_again:,.0f} | {states / max(docs, 1):,.0f} |")
-    print(f"\nFaiss flat index: {rows[-1][2]:,} chunks x 384 dims x 4 bytes = "
-          f"{rows[-1][2] * 384 * 4 / 2**20:.0f} MiB at the largest size (held to be searched or written).")
+    if dsn:
+        subprocess.run(RAG + ["--home", str(work / "pg-home"), "db", "stop"], check=False, capture_output=True)
+    else:
+        print(f"\nFaiss flat index: {rows[-1][2]:,} chunks x 384 dims x 4 bytes = "
+              f"{rows[-1][2] * 384 * 4 / 2**20:.0f} MiB at the largest size (held to be searched or written).")
     print(f"# load average at end: {os.getloadavg()[0]:.1f}; data in {work}")
 
 
