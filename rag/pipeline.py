@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from permissions.identity import IdentityStore
 from permissions.models import Principal
-from rag.errors import ConfigError, StoreError
+from rag.errors import ConfigError
 from rag.prompts import (
     build_messages,
     canonical_order,
@@ -99,12 +99,9 @@ class Rag:
         The SQLite catalog + a Faiss/memory vector store, or PostgreSQL with pgvector when
         `settings.store == "pgvector"`. Without `create` this is always the live collection,
         the one queries read. With `create` (what ingest writes to), the collection is created
-        if new; when this run's embedder or chunking settings differ from the collection's, the
-        embedded store returns the collection's next version, built beside the live one and
-        switched to when complete (`retrieval.rebuild.CollectionBuild`), and pgvector refuses.
-
-        Raises:
-            StoreError: pgvector, and the collection was built with another embedder or chunking.
+        if new; when this run's embedder or chunking settings differ from the collection's, it
+        returns the collection's next version, built beside the live one and switched to when
+        complete (`retrieval.rebuild.CollectionBuild`, `retrieval.stores.pg_rebuild`).
         """
         name = check_collection_name(collection or self.settings.collection)
         with self._lock:
@@ -121,20 +118,20 @@ class Rag:
             if self.settings.store == "pgvector":
                 from retrieval.stores import pgvector
 
-                if name not in self._indexes:
-                    self._indexes[name] = (
-                        pgvector.open_collection(self.dsn, name) if spec is None else pgvector.create_collection(
-                            self.dsn, name, spec.embedder, spec.fingerprint, spec.dim, spec.chunking))
-                index = self._indexes[name]
-                if spec is not None and not spec.matches(index.info):
-                    from retrieval.rebuild import describe
+                if spec is None:
+                    if name not in self._indexes:
+                        self._indexes[name] = pgvector.open_collection(self.dsn, name)
+                    return self._indexes[name]
+                from retrieval.stores import pg_rebuild
 
-                    raise StoreError(
-                        f"collection {name!r} was built with {describe(index.info)}; this run uses "
-                        f"{describe(spec)}. A pgvector collection is not rebuilt in place (only the embedded "
-                        "store builds a new version beside the old one): ingest into a new collection name, "
-                        "or use the collection's embedder and chunk_max_tokens/chunk_overlap_tokens")
-                return index
+                target = pg_rebuild.open_for_ingest(self.dsn, name, spec)
+                if isinstance(target, pgvector.PgCollection):
+                    if name in self._indexes:  # keep the open one (its connection); same generation
+                        target.close()
+                        self._indexes[name].refresh()
+                        return self._indexes[name]
+                    self._indexes[name] = target
+                return target
 
             def open_live() -> CollectionIndex:
                 if name not in self._indexes:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rag.types import Chunk, Document
+from retrieval.base import CollectionStore
 from retrieval.catalog import Catalog, ChunkRecord, CollectionInfo, DocumentState, generation_name
 from retrieval.index import CollectionIndex, move_index_file, remove_index_files
 
@@ -93,17 +94,17 @@ class CollectionBuild:
     both) when their sources are gone. Reads see the build. `finish` promotes it.
     """
 
-    def __init__(self, catalog: Catalog, name: str, live: CollectionInfo, build: CollectionInfo,
-                 index_dir: Path | None, store_kind: str, open_live: Callable[[], CollectionIndex]) -> None:
+    def __init__(self, catalog: Catalog | None, name: str, live: CollectionInfo, build: CollectionInfo,
+                 index_dir: Path | None, store_kind: str, open_live: Callable[[], CollectionStore]) -> None:
         self.catalog = catalog
         self.live = live
         self.index_dir = index_dir
         self.store_kind = store_kind
         self._name = name
         self._info = build
-        self._build: CollectionIndex | None = None  # its vectors are loaded on first use
+        self._build: CollectionStore | None = None  # its vectors are loaded on first use
         self._open_live = open_live
-        self._live_index: CollectionIndex | None = None  # opened only when a live document changes
+        self._live_index: CollectionStore | None = None  # opened only when a live document changes
         self._live_acl: dict[str, frozenset[str]] = {}
         self.notice = (f"collection {name!r} was built with {describe(live)}; building version "
                        f"{build.generation} with {describe(build)}; queries use version "
@@ -118,10 +119,16 @@ class CollectionBuild:
         return self._info
 
     @property
-    def build(self) -> CollectionIndex:
+    def build(self) -> CollectionStore:
         if self._build is None:
-            self._build = CollectionIndex(self.catalog, self._info, self.index_dir, self.store_kind)
+            self._build = self._open_build()
         return self._build
+
+    def _open_build(self) -> CollectionStore:
+        return CollectionIndex(self.catalog, self._info, self.index_dir, self.store_kind)
+
+    def _live_states(self) -> dict[str, DocumentState]:
+        return self.catalog.document_states(self.live.name)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -171,7 +178,7 @@ class CollectionBuild:
     # -- reads -----------------------------------------------------------------------------
 
     def document_states(self) -> dict[str, DocumentState]:
-        live = self.catalog.document_states(self.live.name)
+        live = self._live_states()
         self._live_acl = {key: state.acl for key, state in live.items()}
         states = {key: dataclasses.replace(state, content_hash="") for key, state in live.items()}
         del live
@@ -207,7 +214,7 @@ class CollectionBuild:
             self._live().set_acl(key, acl)
             self._live_acl[key] = acl
 
-    def _live(self) -> CollectionIndex:
+    def _live(self) -> CollectionStore:
         if self._live_index is None:
             self._live_index = self._open_live()
         return self._live_index

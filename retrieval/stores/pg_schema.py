@@ -19,7 +19,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from rag.errors import NotFoundError, StoreError
-from retrieval.catalog import CollectionInfo
+from retrieval.catalog import GENERATION_SEP, CollectionInfo, generation_name
 
 # Iterative index scans (`hnsw.iterative_scan`) arrived in pgvector 0.8.0: without them a
 # selective ACL filter could leave fewer than k hits after the index's ef_search candidates.
@@ -87,6 +87,19 @@ CREATE TABLE rag_chunks (
 CREATE INDEX rag_chunks_acl ON rag_chunks USING gin (acl);
 CREATE INDEX rag_chunks_tsv ON rag_chunks USING gin (tsv);
 """),
+    # Generations: a change of embedder or chunking builds the collection again beside the live
+    # one, as the row `NAME@G` (generation G, not live), and a one-row flip of `live` switches
+    # queries over once it is complete (retrieval/stores/pg_rebuild.py). `name` stays the
+    # physical key every chunk row, chunk id and partial HNSW index uses; `public_name` is what
+    # users call the collection, and at most one of its generations is live.
+    (2, """
+ALTER TABLE rag_collections ADD COLUMN public_name text;
+UPDATE rag_collections SET public_name = name;
+ALTER TABLE rag_collections ALTER COLUMN public_name SET NOT NULL;
+ALTER TABLE rag_collections ADD COLUMN generation integer NOT NULL DEFAULT 1 CHECK (generation >= 1);
+ALTER TABLE rag_collections ADD COLUMN live boolean NOT NULL DEFAULT true;
+CREATE UNIQUE INDEX rag_collections_live ON rag_collections (public_name) WHERE live;
+"""),
 ]
 
 LATEST = MIGRATIONS[-1][0]
@@ -137,18 +150,23 @@ def migrate(dsn: str) -> int:
 
 
 def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim: int,
-                      chunking: dict) -> CollectionInfo:
+                      chunking: dict, generation: int = 1) -> CollectionInfo:
     """Create a collection with its HNSW index unless it exists; return what is stored (migrated `dsn`).
 
-    Concurrent callers are safe: the loser of the insert race waits for the winner's commit.
+    Generation 1 is created live under its own name; a later generation G is created hidden, as
+    `name@G`, for `pg_rebuild` to fill and switch to. Concurrent callers are safe: the loser of
+    the insert race waits for the winner's commit.
     """
-    if not name or dim <= 0:
-        raise StoreError(f"a collection needs a name and a positive dimension (got {name!r}, {dim})")
+    if not name or dim <= 0 or GENERATION_SEP in name:
+        raise StoreError(f"a collection needs a name without {GENERATION_SEP!r} and a positive dimension "
+                         f"(got {name!r}, {dim})")
+    physical = name if generation == 1 else generation_name(name, generation)
     with admin_connection(dsn, f"creating collection {name!r}") as conn, conn.transaction():
         created = conn.execute(
-            "INSERT INTO rag_collections (name, embedder, fingerprint, dim, chunking, metric)"
-            " VALUES (%s, %s, %s, %s, %s, 'ip') ON CONFLICT (name) DO NOTHING RETURNING name",
-            (name, embedder, fingerprint, dim, Jsonb(chunking, dumps=_json_dumps)),
+            "INSERT INTO rag_collections (name, public_name, generation, live, embedder, fingerprint, dim,"
+            " chunking, metric) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'ip') ON CONFLICT DO NOTHING RETURNING name",
+            (physical, name, generation, generation == 1, embedder, fingerprint, dim,
+             Jsonb(chunking, dumps=_json_dumps)),
         ).fetchone()
         if created and dim <= MAX_HNSW_DIM:
             # In the creating transaction, so a collection never exists without its index. The
@@ -156,44 +174,85 @@ def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim:
             conn.execute(sql.SQL(
                 "CREATE INDEX {index} ON rag_chunks USING hnsw ((embedding::vector({dim})) vector_ip_ops)"
                 " WHERE collection = {name}"
-            ).format(index=sql.Identifier(hnsw_index_name(name)), dim=sql.Literal(dim), name=sql.Literal(name)))
-    return get_collection(dsn, name)
+            ).format(index=sql.Identifier(hnsw_index_name(physical)), dim=sql.Literal(dim),
+                     name=sql.Literal(physical)))
+    return _info(dsn, physical)
+
+
+_INFO_COLUMNS = "name, embedder, fingerprint, dim, chunking, generation"
+
+
+def _info(dsn: str, physical: str) -> CollectionInfo:
+    with admin_connection(dsn, f"opening collection {physical!r}") as conn:
+        row = conn.execute(f"SELECT {_INFO_COLUMNS} FROM rag_collections WHERE name = %s", (physical,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"collection {physical!r} vanished from {mask_dsn(dsn)} (dropped meanwhile?)")
+    return CollectionInfo(row[0], row[1], row[2], row[3], row[4], 0, row[5])
+
+
+def find_live(conn: psycopg.Connection, name: str) -> CollectionInfo | None:
+    """The live generation of collection `name` (its `name` is the physical one, e.g. `lab@2`), or None."""
+    row = conn.execute(
+        f"SELECT {_INFO_COLUMNS} FROM rag_collections WHERE public_name = %s AND live", (name,)
+    ).fetchone()
+    return None if row is None else CollectionInfo(row[0], row[1], row[2], row[3], row[4], 0, row[5])
 
 
 def get_collection(dsn: str, name: str) -> CollectionInfo:
-    """A collection's stored description (version is always 0: nothing here is versioned).
+    """The stored description of collection `name`'s live generation (version is always 0).
 
     Raises:
         NotFoundError: no such collection; the message lists those that exist.
     """
     with admin_connection(dsn, f"opening collection {name!r}") as conn:
-        row = conn.execute(
-            "SELECT name, embedder, fingerprint, dim, chunking FROM rag_collections WHERE name = %s", (name,)
-        ).fetchone()
-        names = [] if row else [r[0] for r in conn.execute("SELECT name FROM rag_collections ORDER BY name")]
-    if row is None:
+        info = find_live(conn, name)
+        names = [] if info else [r[0] for r in conn.execute(
+            "SELECT public_name FROM rag_collections WHERE live ORDER BY public_name")]
+    if info is None:
         have = ", ".join(names) if names else "none yet; run `rag ingest PATH` first"
         raise NotFoundError(f"unknown collection {name!r} in {mask_dsn(dsn)} (collections: {have})")
-    return CollectionInfo(row[0], row[1], row[2], row[3], row[4], 0)
+    return info
+
+
+def hidden_generations(dsn: str, name: str) -> list[CollectionInfo]:
+    """Generations of collection `name` that do not answer queries (being built, or left to drop)."""
+    with admin_connection(dsn, f"reading the versions of collection {name!r}") as conn:
+        rows = conn.execute(
+            f"SELECT {_INFO_COLUMNS} FROM rag_collections WHERE public_name = %s AND NOT live ORDER BY generation",
+            (name,),
+        ).fetchall()
+    return [CollectionInfo(r[0], r[1], r[2], r[3], r[4], 0, r[5]) for r in rows]
 
 
 def list_collections(dsn: str) -> dict[str, dict[str, int]]:
-    """Every collection's name -> {"documents": n, "chunks": n}, by name."""
+    """Every collection's name -> {"documents": n, "chunks": n} of its live generation, by name."""
     migrate(dsn)
     with admin_connection(dsn, "listing collections") as conn:
         rows = conn.execute(
-            "SELECT c.name, count(d.id), coalesce(sum(d.num_chunks), 0) FROM rag_collections c"
-            " LEFT JOIN rag_documents d ON d.collection = c.name GROUP BY c.name ORDER BY c.name"
+            "SELECT c.public_name, count(d.id), coalesce(sum(d.num_chunks), 0) FROM rag_collections c"
+            " LEFT JOIN rag_documents d ON d.collection = c.name WHERE c.live"
+            " GROUP BY c.public_name ORDER BY c.public_name"
         ).fetchall()
     return {r[0]: {"documents": int(r[1]), "chunks": int(r[2])} for r in rows}
 
 
 def drop_collection(dsn: str, name: str) -> None:
-    """Delete a collection, its documents, chunks and index; an unknown name is a no-op."""
+    """Delete a collection (every generation), its documents, chunks and indexes; an unknown name is a no-op."""
     migrate(dsn)
-    with admin_connection(dsn, f"dropping collection {name!r}") as conn, conn.transaction():
-        conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(hnsw_index_name(name))))
-        conn.execute("DELETE FROM rag_collections WHERE name = %s", (name,))
+    with admin_connection(dsn, f"dropping collection {name!r}") as conn:
+        physical = [r[0] for r in conn.execute(
+            "SELECT name FROM rag_collections WHERE public_name = %s OR name = %s", (name, name))]
+    for p in physical:
+        drop_generation(dsn, p)
+
+
+def drop_generation(dsn: str, physical: str) -> int:
+    """Delete one generation (physical name) with its documents, chunks and index; returns documents deleted."""
+    with admin_connection(dsn, f"dropping collection {physical!r}") as conn, conn.transaction():
+        deleted = conn.execute("SELECT count(*) FROM rag_documents WHERE collection = %s", (physical,)).fetchone()[0]
+        conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(hnsw_index_name(physical))))
+        conn.execute("DELETE FROM rag_collections WHERE name = %s", (physical,))
+    return int(deleted)
 
 
 def hnsw_index_name(collection: str) -> str:

@@ -24,12 +24,13 @@ from psycopg.types.json import Jsonb
 
 from rag.errors import ConfigError, NotFoundError, StoreError
 from rag.types import Chunk, Document
-from retrieval.catalog import ChunkRecord, CollectionInfo, DocumentState
+from retrieval.catalog import GENERATION_SEP, ChunkRecord, CollectionInfo, DocumentState
 from retrieval.keyword import query_terms
 from retrieval.stores.pg_schema import (  # noqa: F401 - list/drop re-exported: the collection API in one place
     connect,
     drop_collection,
     ensure_collection,
+    find_live,
     get_collection,
     list_collections,
     mask_dsn,
@@ -68,7 +69,7 @@ class PgCollection:
     """
 
     def __init__(self, dsn: str, info: CollectionInfo, ef_search: int = 100,
-                 max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW) -> None:
+                 max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW, follow_live: bool = True) -> None:
         """
         Args:
             dsn: libpq connection string or URL of a migrated database.
@@ -82,19 +83,31 @@ class PgCollection:
             raise ConfigError(
                 f"ef_search must be 1..1000 and max_scan_tuples >= 1 (got {ef_search}, {max_scan_tuples})")
         self.dsn = dsn
-        self.info = info
+        # A collection opened as the live one follows a switch to a new generation (refresh);
+        # one opened as a build (pg_rebuild) stays on its generation.
+        self.follow_live = follow_live
         self.ef_search = ef_search
         self.max_scan_tuples = max_scan_tuples
         self.exact_below = exact_below
         self.num_fallbacks = 0  # approximate searches that found < k and ran exactly instead
         self._lock = threading.Lock()
         self._conn: psycopg.Connection | None = None
+        self._bind(info)
+
+    def _bind(self, info: CollectionInfo) -> None:
+        self.info = info
         self._literal = sql.Literal(info.name)  # the partial index matches only a literal predicate
         self._sql_approx = self._search_sql(exact=False)
         self._sql_exact = self._search_sql(exact=True)
 
     @property
     def name(self) -> str:
+        """The collection's name as users know it (without the generation)."""
+        return public_name(self.info)
+
+    @property
+    def physical(self) -> str:
+        """The generation's own key in the tables: the name, or `name@G` for a later generation."""
         return self.info.name
 
     def close(self) -> None:
@@ -122,7 +135,7 @@ class PgCollection:
         vectors = self._check_vectors(doc.key, len(chunks), vectors)
         acl_list = sorted(acl)
         rows = [
-            (chunk_id(self.name, doc.key, c.index), self.name, doc.key, c.index, _text(c.text),
+            (chunk_id(self.physical, doc.key, c.index), self.physical, doc.key, c.index, _text(c.text),
              _text(c.heading), c.num_tokens, Jsonb(c.metadata, dumps=_json_dumps), acl_list, vec)
             for c, vec in zip(chunks, vectors, strict=True)
         ]
@@ -136,11 +149,11 @@ class PgCollection:
                 " ON CONFLICT (collection, key) DO UPDATE SET source = EXCLUDED.source,"
                 " title = EXCLUDED.title, content_hash = EXCLUDED.content_hash, acl = EXCLUDED.acl,"
                 " metadata = EXCLUDED.metadata, num_chunks = EXCLUDED.num_chunks, updated_at = now()",
-                (self.name, doc.key, _text(doc.source), _text(doc.title), doc.content_hash, acl_list,
+                (self.physical, doc.key, _text(doc.source), _text(doc.title), doc.content_hash, acl_list,
                  Jsonb(doc.metadata, dumps=_json_dumps), len(rows)),
             )
             conn.execute("DELETE FROM rag_chunks WHERE collection = %s AND document_key = %s",
-                         (self.name, doc.key))
+                         (self.physical, doc.key))
             if rows:
                 with conn.cursor() as cur, cur.copy(
                     sql.SQL("COPY rag_chunks ({}) FROM STDIN (FORMAT BINARY)").format(
@@ -164,12 +177,12 @@ class PgCollection:
             found = conn.execute(
                 "UPDATE rag_documents SET acl = %s, updated_at = now() WHERE collection = %s AND key = %s"
                 " RETURNING id",
-                (acl_list, self.name, key),
+                (acl_list, self.physical, key),
             ).fetchone()
             if found is None:
                 raise NotFoundError(f"no document {key!r} in collection {self.name!r}; ingest it first")
             conn.execute("UPDATE rag_chunks SET acl = %s WHERE collection = %s AND document_key = %s",
-                         (acl_list, self.name, key))
+                         (acl_list, self.physical, key))
 
         self._write(f"changing the ACL of {key!r}", write)
 
@@ -178,22 +191,34 @@ class PgCollection:
         self._write(
             f"deleting document {key!r}",
             lambda conn: conn.execute("DELETE FROM rag_documents WHERE collection = %s AND key = %s",
-                                      (self.name, key)),
+                                      (self.physical, key)),
         )
 
     def save(self) -> None:
         """Nothing to do: every write is committed when it returns."""
 
     def refresh(self) -> bool:
-        """Nothing to reload: every query reads the database's current state."""
-        return False
+        """Follow a switch to a new generation (a rebuild by any process); True when it moved.
+
+        Nothing else to reload: every query reads the database's current state.
+        """
+        if not self.follow_live:
+            return False
+        live = self._read("finding the live version", lambda conn: find_live(conn, self.name))
+        if live is None:
+            raise NotFoundError(f"collection {self.name!r} was dropped from {mask_dsn(self.dsn)}")
+        if live.name == self.physical:
+            return False
+        log.info("collection %r: now reading version %d", self.name, live.generation)
+        self._bind(live)
+        return True
 
     # -- reads ---------------------------------------------------------------------------
 
     def document_states(self) -> dict[str, DocumentState]:
         rows = self._read("reading document states", lambda conn: conn.execute(
             "SELECT id, key, content_hash, acl, num_chunks FROM rag_documents WHERE collection = %s",
-            (self.name,),
+            (self.physical,),
         ).fetchall())
         return {r[1]: DocumentState(r[0], r[1], r[2], frozenset(r[3]), r[4]) for r in rows}
 
@@ -201,7 +226,7 @@ class PgCollection:
         """{"documents": n, "chunks": n}."""
         docs, chunks = self._read("counting documents", lambda conn: conn.execute(
             "SELECT count(*), coalesce(sum(num_chunks), 0) FROM rag_documents WHERE collection = %s",
-            (self.name,),
+            (self.physical,),
         ).fetchone())
         return {"documents": int(docs), "chunks": int(chunks)}
 
@@ -279,7 +304,7 @@ class PgCollection:
         tokens = sorted(set(tokens))
         if not terms or not tokens or k <= 0:
             return []
-        params: dict[str, object] = {"name": self.name, "tokens": tokens, "k": k}
+        params: dict[str, object] = {"name": self.physical, "tokens": tokens, "k": k}
         params.update({f"t{n}": t for n, t in enumerate(terms)})
         tsquery = sql.SQL(" || ").join(
             sql.SQL("phraseto_tsquery('english', {})").format(sql.Placeholder(f"t{n}")) for n in range(len(terms)))
@@ -303,7 +328,7 @@ class PgCollection:
             "SELECT c.id, d.key, d.source, d.title, c.idx, c.text, c.heading, d.acl"
             " FROM rag_chunks c JOIN rag_documents d ON d.collection = c.collection AND d.key = c.document_key"
             " WHERE c.collection = %s AND c.id = ANY(%s::bigint[])",
-            (self.name, ids),
+            (self.physical, ids),
         ).fetchall())
         return {r[0]: ChunkRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], frozenset(r[7])) for r in rows}
 
@@ -314,7 +339,7 @@ class PgCollection:
             "SELECT d.key, d.content_hash, d.acl, d.title, c.idx, c.text, c.heading, c.embedding"
             " FROM rag_documents d LEFT JOIN rag_chunks c ON c.collection = d.collection AND c.document_key = d.key"
             ' WHERE d.collection = %s ORDER BY d.key COLLATE "C", c.idx',
-            (self.name,),
+            (self.physical,),
         ).fetchall())
         return [
             {"key": r[0], "hash": r[1], "acl": list(r[2]), "title": r[3], "index": r[4], "text": r[5],
@@ -435,7 +460,9 @@ def create_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim:
         StoreError: the server does not answer, or the collection exists with another embedder.
     """
     migrate(dsn)
-    info = ensure_collection(dsn, name, embedder, fingerprint, dim, chunking)
+    with connect(dsn) as conn:
+        live = find_live(conn, name)
+    info = live or ensure_collection(dsn, name, embedder, fingerprint, dim, chunking)
     _check_embedder(info, embedder, fingerprint, dim)
     return PgCollection(dsn, info, **tuning)
 
@@ -452,6 +479,11 @@ def open_collection(dsn: str, name: str, embedder: str | None = None, fingerprin
     info = get_collection(dsn, name)
     _check_embedder(info, embedder, fingerprint, dim)
     return PgCollection(dsn, info, **tuning)
+
+
+def public_name(info: CollectionInfo) -> str:
+    """What users call the collection whose generation `info` is."""
+    return info.name if info.generation == 1 else info.name.rsplit(GENERATION_SEP, 1)[0]
 
 
 def _check_embedder(info: CollectionInfo, embedder: str | None, fingerprint: str | None, dim: int | None) -> None:

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from permissions.models import Principal
-from rag.errors import StoreError
 from rag.pipeline import Rag
 from rag.settings import load_settings
 from rag.types import Chunk, Document
@@ -245,14 +244,112 @@ def test_a_killed_rebuild_resumes_into_the_same_version(tmp_path, embedder):
     assert _collections(home) == [("default", 2)]
 
 
-def test_pgvector_refuses_a_chunking_change_with_a_clear_error(tmp_path, embedder, pg_dsn):
-    """Only the embedded store builds versions; a shared pgvector collection is left as it is."""
+def test_pgvector_chunking_change_builds_a_version_beside_the_live_one(tmp_path, embedder, pg_dsn):
+    """pgvector: the same contract as the embedded store, with readers in other processes' shoes."""
+    from retrieval.stores.pg_schema import hidden_generations, list_collections
+
     corpus = _corpus(tmp_path / "corpus")
-    first = _rag(tmp_path / "home", embedder, store="pgvector", dsn=pg_dsn)
-    first.ingest([corpus / "a"])
-    first.close()
-    changed = _rag(tmp_path / "home", embedder, store="pgvector", dsn=pg_dsn, **NEW)
-    with pytest.raises(StoreError, match="chunks of 200 tokens.*chunks of 48 tokens.*new collection name"):
-        changed.ingest([corpus])
-    assert changed.index().stats()["documents"] == 4  # untouched
-    changed.close()
+    reader = _rag(tmp_path / "reader", embedder, store="pgvector", dsn=pg_dsn)
+    reader.ingest([corpus])
+    old_texts = {r["text"] for r in reader.index().dump()}
+    # A rebuild from a/ only, while access to a/ is revoked.
+    (corpus / "a" / ".rag-acl.toml").write_text('allow = ["group:alpha"]\n')
+    writer = _rag(tmp_path / "writer", embedder, store="pgvector", dsn=pg_dsn, **NEW)
+    report = writer.ingest([corpus / "a"])
+    assert report.build is not None and not report.build.switched
+    assert report.build.missing == 4 and report.build.missing_examples[0].startswith(str(corpus / "b"))
+    assert [(h.name, h.generation) for h in hidden_generations(pg_dsn, "default")] == [("default@2", 2)]
+    assert list(list_collections(pg_dsn)) == ["default"]  # the build is not a collection of its own
+    # Queries still read version 1 (and its chunks), with the revocation applied there.
+    assert {r["text"] for r in reader.index().dump()} == old_texts
+    hits = reader.query("freezer room", ANYONE, k=10, generate=False).hits
+    assert hits and all("/b/" in h.document_key for h in hits)
+    assert {h.text for h in hits} <= old_texts
+
+    # Completing it switches; the reader's open collection follows on its next query.
+    report = writer.ingest([corpus / "b"])
+    assert report.build is not None and report.build.switched and report.build.old_documents_deleted == 8
+    assert report.updated == 4 and report.unchanged == 0  # a/ was not embedded again
+    assert hidden_generations(pg_dsn, "default") == []
+    hits = reader.query("freezer room", ANYONE, k=10, generate=False).hits
+    fresh = _rag(tmp_path / "fresh", embedder, store="pgvector", dsn=pg_dsn, **NEW)
+    fresh.ingest([corpus], collection="fresh")
+    new_texts = {r["text"] for r in fresh.index("fresh").dump()}
+    assert hits and {h.text for h in hits} <= new_texts and not new_texts & old_texts
+    assert list_collections(pg_dsn)["default"] == list_collections(pg_dsn)["fresh"]
+    # Running again with the new settings changes nothing.
+    again = writer.ingest([corpus])
+    assert again.build is None and again.unchanged == 8
+    for rag in (reader, writer, fresh):
+        rag.close()
+
+
+def test_pgvector_embedder_change_resumes_switches_dimension_and_drops_leftovers(pg_dsn):
+    from retrieval.stores import pg_rebuild
+    from retrieval.stores.pg_schema import hidden_generations
+    from retrieval.stores.pgvector import PgCollection
+
+    old = BuildSpec("model-a", "fp-a", 16, {"max_tokens": 200, "overlap_tokens": 32})
+    new = BuildSpec("model-b", "fp-b", 8, {"max_tokens": 200, "overlap_tokens": 32})
+
+    def write(store, spec: BuildSpec, keys: list[str]) -> None:
+        for key in keys:
+            doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
+            store.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, f"{key} text", 2)],
+                                   np.eye(1, spec.dim, dtype=np.float32))
+
+    live = pg_rebuild.open_for_ingest(pg_dsn, "c", old)
+    assert isinstance(live, PgCollection)
+    write(live, old, ["k1", "k2"])
+    build = pg_rebuild.open_for_ingest(pg_dsn, "c", new)
+    assert isinstance(build, pg_rebuild.PgCollectionBuild) and build.info.dim == 8
+    write(build, new, ["k1"])
+    assert build.finish().missing == 1
+    build.close()
+    # Killed here: the next run with the same embedder resumes version 2.
+    build = pg_rebuild.open_for_ingest(pg_dsn, "c", new)
+    assert isinstance(build, pg_rebuild.PgCollectionBuild) and build.info.name == "c@2"
+    assert set(build.build.document_states()) == {"k1"}
+    assert set(build.document_states()) == {"k1", "k2"}  # k2 still to do (its hash matches nothing)
+    write(build, new, ["k2"])
+    assert live.search(np.eye(1, 16, dtype=np.float32)[0], 5, ["public"])  # still version 1 meanwhile
+    outcome = build.finish()
+    assert outcome.switched and outcome.old_documents_deleted == 2
+    build.close()
+    # The collection opened before the switch follows it: 8 dims now.
+    assert live.refresh() and live.info.dim == 8 and live.name == "c" and live.physical == "c@2"
+    assert len(live.search(np.eye(1, 8, dtype=np.float32)[0], 5, ["public"])) == 2
+    assert live.stats() == {"documents": 2, "chunks": 2}
+    # Settings going back to the old embedder start version 3 beside the live 2...
+    back = pg_rebuild.open_for_ingest(pg_dsn, "c", old)
+    assert isinstance(back, pg_rebuild.PgCollectionBuild) and back.info.name == "c@3"
+    back.close()
+    # ...and asking for version 2's settings again drops that unfinished build.
+    again = pg_rebuild.open_for_ingest(pg_dsn, "c", new)
+    assert isinstance(again, PgCollection) and again.physical == "c@2"
+    assert hidden_generations(pg_dsn, "c") == []
+    for store in (live, again):
+        store.close()
+
+
+def test_pgvector_a_switch_by_one_shard_job_is_seen_by_the_others(pg_dsn):
+    """Two shard jobs build the same version; the last to finish switches, the other finds it done."""
+    from retrieval.stores import pg_rebuild
+
+    old = BuildSpec("model-a", "fp-a", 4, {"max_tokens": 200, "overlap_tokens": 32})
+    new = BuildSpec("model-a", "fp-a", 4, {"max_tokens": 100, "overlap_tokens": 16})
+    live = pg_rebuild.open_for_ingest(pg_dsn, "s", old)
+    for key in ("k1", "k2"):
+        doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
+        live.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, "x", 1)], np.eye(1, 4, dtype=np.float32))
+    jobs = [pg_rebuild.open_for_ingest(pg_dsn, "s", new) for _ in range(2)]
+    assert [j.info.name for j in jobs] == ["s@2", "s@2"]
+    for job, key in zip(jobs, ("k1", "k2"), strict=True):
+        doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
+        job.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, "y", 1)], np.eye(1, 4, dtype=np.float32))
+    first, second = jobs[1].finish(), jobs[0].finish()
+    assert first.switched and first.old_documents_deleted == 2
+    assert second.switched and second.old_documents_deleted == 0
+    assert live.refresh() and live.stats() == {"documents": 2, "chunks": 2}
+    for store in (live, *jobs):
+        store.close()
