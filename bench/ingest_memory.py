@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -67,19 +68,44 @@ def make_corpus(root: Path, n: int, seed: int = 0) -> None:
                 f.write(json.dumps(record) + "\n")
 
 
-def run_ingest(home: Path, corpus: Path, log: Path, extra: list[str]) -> tuple[dict, int, float]:
-    """One `rag ingest --json` (+ extra options): (summary, peak RSS in bytes, wall seconds)."""
+def run_ingest(home: Path, corpus: Path, log: Path, extra: list[str]) -> tuple[dict, int, float, list[int]]:
+    """One `rag ingest --json` (+ extra options): (summary, peak RSS in bytes, wall seconds, RSS samples).
+
+    The samples (bytes, every 0.25 s) show the shape behind the peak: the embedder's batches
+    allocate and free tens of MB each, so RSS swings by a few hundred MB throughout a run, and
+    the peak is the highest swing, which a longer run is likelier to reach.
+    """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
+    samples: list[int] = []
     with log.open("w") as out, (log.with_suffix(".err")).open("w") as err:
         proc = subprocess.Popen(RAG + ["--home", str(home), "ingest", str(corpus), "--json", *extra], env=env,
                                 stdout=out, stderr=err)
+        sampler = threading.Thread(target=_sample_rss, args=(proc.pid, samples), daemon=True)
+        sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
+        sampler.join()
     wall = time.perf_counter() - started
     if proc.returncode not in (0, 1):
         raise SystemExit(f"rag ingest failed ({proc.returncode}): {log.with_suffix('.err').read_text()[-2000:]}")
-    return json.loads(log.read_text()), usage.ru_maxrss * 1024, wall
+    return json.loads(log.read_text()), usage.ru_maxrss * 1024, wall, samples
+
+
+def _sample_rss(pid: int, samples: list[int]) -> None:
+    status = Path(f"/proc/{pid}/status")
+    while True:
+        try:
+            line = next(x for x in status.read_text().splitlines() if x.startswith("VmRSS:"))
+        except (OSError, StopIteration):  # gone (or a zombie without memory)
+            return
+        samples.append(int(line.split()[1]) * 1024)
+        time.sleep(0.25)
+
+
+def _quantile(values: list[int], q: float) -> float:
+    ordered = sorted(values) or [0]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def state_bytes(home: Path) -> tuple[int, int, int]:
@@ -130,8 +156,9 @@ def main() -> None:
         shutil.rmtree(home, ignore_errors=True)  # a first ingest each time, also with --keep
         # pgvector: a new collection each time (the server outlives the data directories)
         extra = ["--store", args.store] + (["--dsn", dsn, "--collection", f"c{n}_{int(time.time())}"] if dsn else [])
-        first, peak, wall = run_ingest(home, corpus, work / f"first-{n}.json", extra)
-        again, peak_again, wall_again = run_ingest(home, corpus, work / f"again-{n}.json", extra)
+        first, peak, wall, samples = run_ingest(home, corpus, work / f"first-{n}.json", extra)
+        again, peak_again, wall_again, _ = run_ingest(home, corpus, work / f"again-{n}.json", extra)
+        first["rss_median"], first["rss_p90"] = _quantile(samples, 0.5), _quantile(samples, 0.9)
         if dsn:
             docs, chunks, states = first["collection_stats"]["documents"], first["collection_stats"]["chunks"], 0
         else:
@@ -143,9 +170,10 @@ def main() -> None:
 
     base_peak, base_again = rows[0][4], rows[0][7]
     print("\n| documents | chunks | first ingest: wall s | docs/s | parse / chunk / embed / write docs/s "
-          "| embed chunks/s | peak RSS MiB | vs 1,000 docs | growth B/doc | since previous B/doc "
+          "| embed chunks/s | RSS median / p90 MiB | peak RSS MiB | vs 1,000 docs | growth B/doc "
+          "| since previous B/doc "
           "| re-run: wall s | docs/s | peak RSS MiB | growth B/doc | state B/doc |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     previous = rows[0]
     for n, docs, chunks, first, peak, wall, _again, peak_again, wall_again, states in rows:
         rates = first["rates"]
@@ -156,7 +184,9 @@ def main() -> None:
         marginal = (peak - previous[4]) / max(docs - previous[1], 1) if n != BASELINE else 0
         previous = (n, docs, chunks, first, peak)
         print(f"| {docs:,} | {chunks:,} | {wall:.0f} | {docs / wall:.1f} | {stage} | "
-              f"{rates['embed_chunks_per_second']:.0f} | {peak / 2**20:.0f} | {peak / base_peak:.2f}x | "
+              f"{rates['embed_chunks_per_second']:.0f} | "
+              f"{first['rss_median'] / 2**20:.0f} / {first['rss_p90'] / 2**20:.0f} | "
+              f"{peak / 2**20:.0f} | {peak / base_peak:.2f}x | "
               f"{growth:,.0f} | {marginal:,.0f} | {wall_again:.0f} | {docs / wall_again:.0f} | "
               f"{peak_again / 2**20:.0f} | {growth_again:,.0f} | {states / max(docs, 1):,.0f} |")
     if dsn:
