@@ -69,7 +69,8 @@ class PgCollection:
     """
 
     def __init__(self, dsn: str, info: CollectionInfo, ef_search: int = 100,
-                 max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW, follow_live: bool = True) -> None:
+                 max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW, follow_live: bool = True,
+                 durable_commits: bool = False) -> None:
         """
         Args:
             dsn: libpq connection string or URL of a migrated database.
@@ -78,6 +79,9 @@ class PgCollection:
             max_scan_tuples: how far an iterative scan digs for chunks that pass the ACL filter
                 before falling back to an exact search.
             exact_below: principals who may read at most this many chunks are searched exactly.
+            follow_live: follow a switch to a new generation of the collection (see refresh).
+            durable_commits: wait for each write's WAL flush (synchronous_commit on); off by
+                default: ingest is idempotent and resumable, so a crash's lost tail is redone.
         """
         if not 1 <= ef_search <= 1000 or max_scan_tuples < 1:
             raise ConfigError(
@@ -86,6 +90,7 @@ class PgCollection:
         # A collection opened as the live one follows a switch to a new generation (refresh);
         # one opened as a build (pg_rebuild) stays on its generation.
         self.follow_live = follow_live
+        self.durable_commits = durable_commits
         self.ef_search = ef_search
         self.max_scan_tuples = max_scan_tuples
         self.exact_below = exact_below
@@ -143,15 +148,18 @@ class PgCollection:
         def write(conn: psycopg.Connection) -> None:
             # The upsert takes the document's row lock first: a concurrent writer of the same
             # key waits here until we commit, then deletes exactly the chunks we wrote.
-            conn.execute(
+            (inserted,) = conn.execute(
                 "INSERT INTO rag_documents (collection, key, source, title, content_hash, acl, metadata,"
                 " num_chunks) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (collection, key) DO UPDATE SET source = EXCLUDED.source,"
                 " title = EXCLUDED.title, content_hash = EXCLUDED.content_hash, acl = EXCLUDED.acl,"
-                " metadata = EXCLUDED.metadata, num_chunks = EXCLUDED.num_chunks, updated_at = now()",
+                " metadata = EXCLUDED.metadata, num_chunks = EXCLUDED.num_chunks, updated_at = now()"
+                " RETURNING xmax = 0",  # true for a new row
                 (self.physical, doc.key, _text(doc.source), _text(doc.title), doc.content_hash, acl_list,
                  Jsonb(doc.metadata, dumps=_json_dumps), len(rows)),
-            )
+            ).fetchone()
+            if not inserted:  # the new version may grant less: never lose it to a crash
+                self._durable(conn)
             conn.execute("DELETE FROM rag_chunks WHERE collection = %s AND document_key = %s",
                          (self.physical, doc.key))
             if rows:
@@ -174,6 +182,7 @@ class PgCollection:
         acl_list = sorted(acl)
 
         def write(conn: psycopg.Connection) -> None:
+            self._durable(conn)
             found = conn.execute(
                 "UPDATE rag_documents SET acl = %s, updated_at = now() WHERE collection = %s AND key = %s"
                 " RETURNING id",
@@ -188,11 +197,16 @@ class PgCollection:
 
     def delete_document(self, key: str) -> None:
         """Delete a document and (by cascade) its chunks; an unknown key is a no-op."""
-        self._write(
-            f"deleting document {key!r}",
-            lambda conn: conn.execute("DELETE FROM rag_documents WHERE collection = %s AND key = %s",
-                                      (self.physical, key)),
-        )
+        def write(conn: psycopg.Connection) -> None:
+            self._durable(conn)
+            conn.execute("DELETE FROM rag_documents WHERE collection = %s AND key = %s", (self.physical, key))
+
+        self._write(f"deleting document {key!r}", write)
+
+    def _durable(self, conn: psycopg.Connection) -> None:
+        """Make the current transaction's commit wait for its WAL flush (a revocation must survive a crash)."""
+        if not self.durable_commits:
+            conn.execute("SET LOCAL synchronous_commit = on")
 
     def save(self) -> None:
         """Nothing to do: every write is committed when it returns."""
@@ -389,6 +403,13 @@ class PgCollection:
                     "SET hnsw.iterative_scan = relaxed_order; SET hnsw.ef_search = {};"
                     " SET hnsw.max_scan_tuples = {}"
                 ).format(sql.Literal(self.ef_search), sql.Literal(self.max_scan_tuples)))
+                if not self.durable_commits:
+                    # One transaction per document would otherwise wait for a WAL flush each
+                    # (~10 ms here). A server crash can lose the last moments of commits of new
+                    # documents, whole ones only; the next ingest finds them missing from the
+                    # stored states and writes them again. Writes that narrow or remove access
+                    # (updates, ACL changes, deletions) still commit durably (`_durable`).
+                    conn.execute("SET synchronous_commit = off")
             except psycopg.Error as e:
                 conn.close()
                 raise StoreError(

@@ -394,3 +394,30 @@ def test_connection_dropped_while_idle_is_replaced_on_the_next_call(coll, pg_dsn
     _terminate_others(pg_dsn, waiting_on_lock=False)
     _write(coll, "b", {"public"}, ["two"], _unit(rng, 1))  # so does a write that had not begun
     assert coll.stats() == {"documents": 2, "chunks": 2}
+
+
+def test_new_documents_commit_asynchronously_but_anything_that_can_revoke_access_is_durable(pg_dsn):
+    """synchronous_commit is off for the bulk of an ingest (inserts), on for updates, ACL changes, deletions."""
+    durable: list[str] = []
+
+    class Spy(PgCollection):
+        def _durable(self, conn: psycopg.Connection) -> None:
+            super()._durable(conn)
+            durable.append(conn.execute("SHOW synchronous_commit").fetchone()[0])
+
+    info = create_collection(pg_dsn, "lab", "test-embedder", "fp-1", DIM, {"max_tokens": 64}).info
+    coll = Spy(pg_dsn, info)
+    rng = np.random.default_rng(3)
+    assert coll._connection().execute("SHOW synchronous_commit").fetchone()[0] == "off"
+    _write(coll, "a", {"group:x"}, ["one"], _unit(rng, 1))
+    assert durable == []  # a new document: no flush wait
+    _write(coll, "a", {"group:y"}, ["one", "two"], _unit(rng, 2), content_hash="h-a2")  # an update
+    coll.set_acl("a", frozenset({"group:z"}))
+    coll.delete_document("a")
+    assert durable == ["on", "on", "on"]
+    assert coll._connection().execute("SHOW synchronous_commit").fetchone()[0] == "off"  # SET LOCAL only
+    coll.close()
+    strict = PgCollection(pg_dsn, info, durable_commits=True)  # leaves the server's setting alone
+    assert strict._connection().execute("SHOW synchronous_commit").fetchone()[0] == _scalar(
+        pg_dsn, "SHOW synchronous_commit")
+    strict.close()
