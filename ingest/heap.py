@@ -1,41 +1,42 @@
-"""Keep a long ingest's resident memory flat: give the heap's free pages back after each batch.
+"""Keep a long ingest's resident memory flat: hand large freed buffers back to the OS.
 
 The embedder allocates and frees activation buffers of varying size for every batch (tens of
 MB on the CPU). glibc's malloc raises its mmap threshold each time such a buffer is freed, so
-later ones come from the heap, whose freed holes stay resident: measured on 10,000 small
+later ones come from the heap instead, whose freed holes RSS keeps: measured on 10,000 small
 documents, the median RSS drifted from 904 to 989 MiB over the run and peaked at 1,146 MiB.
-`malloc_trim(0)` after each embedded batch hands those free pages back (glibc madvises them
-away, holes included), while the batch itself still reuses the heap at full speed. (Fixing the
-mmap threshold instead also flattened RSS, but made CPU embedding ~10% slower: every large
-buffer was then a fresh mmap to fault in.)
+Fixing the threshold (which also stops the dynamic adjustment) keeps big buffers mmapped and
+returned on free: median flat at ~770 MiB, peak 887 MiB (bench/ingest_memory.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
+import logging
+import os
 import sys
-from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
+DEFAULT_THRESHOLD = 1 << 20
 
 
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+def fix_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
+    """Set glibc's malloc mmap threshold to `threshold` bytes for this process; True if set.
 
-
-def release_free_memory() -> bool:
-    """Return the C heap's free pages to the OS (glibc's malloc_trim); False where there is none."""
-    trim = _malloc_trim()
-    if trim is None:
+    A no-op (False) off Linux/glibc, and when MALLOC_MMAP_THRESHOLD_ is in the environment
+    (the user chose). Call once at start, before the big allocations.
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    trim(0)
-    return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    log.debug("malloc mmap threshold %s to %d bytes", "set" if ok else "not set", threshold)
+    return ok

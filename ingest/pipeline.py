@@ -27,7 +27,6 @@ from typing import TypeVar
 import numpy as np
 
 from ingest.chunk import Chunker
-from ingest.heap import release_free_memory
 from ingest.parse import parse_item
 from ingest.sources import SourceItem, SourceProblem, count_sources, scan_roots, walk_sources
 from rag.errors import IngestError
@@ -246,7 +245,6 @@ class IngestPipeline:
                 else:
                     report.updated += 1
         pending.clear()
-        release_free_memory()  # the batch's freed buffers: RSS stays flat over a long run (ingest/heap.py)
         if progress:
             progress("embed", embedded[0], 0)
             progress("tokens", embedded[1], 0)

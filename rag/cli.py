@@ -85,9 +85,11 @@ def ingest(
     partition of the documents: with --store pgvector it writes into the collection, otherwise
     into a shard directory that `rag index merge` joins into the collection once all N are done.
     """
+    from ingest.heap import fix_mmap_threshold
     from ingest.shards import ingest_shard, resolve_shard
     from rag.cli_progress import IngestProgress
 
+    fix_mmap_threshold()  # flat memory over long runs (see ingest/heap.py)
     for p in paths:
         if not p.exists():
             raise RagError(f"path not found: {p}")
