@@ -28,10 +28,6 @@ class SkinnyConfig:
     block_k: int
     num_stages: int
     num_warps: int = 4
-    # Programs per column block, each over 1/split_k of K. Small weights (4096 x 4096) have too
-    # few column blocks to keep 132 SMs streaming; splitting K multiplies the programs. The last
-    # program of a column block to finish sums the partials, so no second kernel is launched.
-    split_k: int = 1
 
 
 # Narrow column blocks give many programs (several resident per SM, so waves stay even); deep
@@ -41,87 +37,44 @@ CANDIDATES = (
     SkinnyConfig(32, 256, 4),
     SkinnyConfig(16, 512, 3),
     SkinnyConfig(32, 128, 6),
-    SkinnyConfig(16, 256, 4, split_k=2),
-    SkinnyConfig(32, 256, 4, split_k=2),
-    SkinnyConfig(32, 256, 4, split_k=4),
-    SkinnyConfig(64, 128, 4, split_k=4),
 )
 
 # (N, K, dtype) -> the config that beat cuBLAS, or None where cuBLAS won.
 _choices: dict[tuple[int, int, torch.dtype], SkinnyConfig | None] = {}
-# (device, N, split_k, block_n) -> (fp32 partials [split_k, 16, N], int32 arrival counters per column
-# block). Shared by every layer of a shape: one stream runs them one after another, and the last
-# program of each column block resets its counter, so a graph replay finds them at zero.
-_workspaces: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 # M not specialised: one binary serves every row count (the value 1 would otherwise get its own).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Rows padded to 16, the MMA's minimum: the matrix units idle, but the loads feeding tl.dot
     # are what Triton pipelines (num_stages deep), which keeps enough weight bytes in flight.
     BLOCK_M: tl.constexpr = 16
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_blocks, SPLIT_K)
-    k_first = pid_k * per_split
-    k_last = tl.minimum(k_first + per_split, k_blocks)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_first * BLOCK_K + offs_k[None, :]
-    # [BLOCK_K, BLOCK_N] tile of the weight, starting at this split's first K block
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_first * BLOCK_K + offs_k[:, None]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(k_first, k_last):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < K - kb * BLOCK_K
+            k_ok = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptrs + pid_k * BLOCK_M * N, acc, mask=out_mask)
-        # Every thread's partial is stored before one thread announces it (release, GPU scope);
-        # the program that arrives last acquires all of them and writes the sum.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (or graph replay)
-
-
-def _workspace(device: torch.device, n: int, config: SkinnyConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, n, config.split_k, config.block_n)
-    if key not in _workspaces:
-        _workspaces[key] = (
-            torch.empty(config.split_k, MAX_ROWS, n, dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(n, config.block_n), dtype=torch.int32, device=device),
-        )
-    return _workspaces[key]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def skinny_gemm(
@@ -138,12 +91,10 @@ def skinny_gemm(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
-    partials, counters = _workspace(x.device, n, config) if config.split_k > 1 else (out, out)
-    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, SPLIT_K=config.split_k,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_stages=config.num_stages, num_warps=config.num_warps,
+    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_stages=config.num_stages, num_warps=config.num_warps,
     )  # fmt: skip
     return out
 

