@@ -46,3 +46,19 @@ class ModelError(RagError):
 
 class GenerationError(RagError):
     """The generator failed or was given an impossible request."""
+
+
+class GeneratorUnavailable(GenerationError):
+    """The generator is down or failed mid-request (the service answers 503, not a hang)."""
+
+
+class OverloadedError(RagError):
+    """Too many requests in flight and in the queue: retry after `retry_after` seconds (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(RagError):
+    """A request ran past its deadline and was stopped (HTTP 504)."""

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rag.errors import ConfigError
@@ -59,12 +59,51 @@ class Settings(BaseSettings):
     mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # The generator: "local" (our engine in this process, continuous batching) or "remote"
+    # (any OpenAI-compatible server at generator_url: vLLM, SGLang, TGI, llama.cpp, LiteLLM,
+    # `rag engine serve`). The key comes from the environment (RAG_GENERATOR_API_KEY) or a file
+    # (generator_api_key_file), never from the command line, and is never logged.
+    generator_backend: Literal["local", "remote"] = "local"
+    generator_url: str | None = Field(default=None, description="base URL of the remote server, e.g. http://gpu01:8000/v1")
+    generator_model: str | None = Field(default=None, description="model id on the remote server (default: its first)")
+    generator_api_key: SecretStr | None = Field(default=None, description="bearer key of the remote server")
+    generator_api_key_file: Path | None = Field(default=None, description="file holding that key")
+    # Remote servers take one cache salt per request (vLLM's cache_salt): "user" salts every
+    # request per principal (no KV shared across users there), "off" sends none.
+    generator_cache_salt: Literal["user", "off"] = "user"
+    generator_timeout: float = Field(default=120.0, gt=0, description="seconds a remote call may take")
+    # Local engine sizing (None = the engine's defaults, sized from free memory on a GPU).
+    engine_max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
+    engine_num_kv_blocks: int | None = Field(default=None, ge=1)
+    # Admission control of the query service: generations in flight, and requests waiting for
+    # one; past both, 429 with Retry-After. Each request has a deadline (504 past it).
+    max_concurrent_generations: int = Field(default=64, ge=1, le=4096)
+    max_queued_generations: int = Field(default=256, ge=0, le=100000)
+    request_timeout: float = Field(default=300.0, gt=0, description="seconds one query may take in all")
 
     @field_validator("collection")
     @classmethod
     def _check_collection(cls, v: str) -> str:
         check_collection_name(v)
         return v
+
+    def generator_key(self) -> str | None:
+        """The remote generator's key: generator_api_key, else the first line of generator_api_key_file.
+
+        Raises:
+            ConfigError: the key file is unreadable or empty.
+        """
+        if self.generator_api_key is not None:
+            return self.generator_api_key.get_secret_value()
+        if self.generator_api_key_file is None:
+            return None
+        try:
+            key = self.generator_api_key_file.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read generator_api_key_file {self.generator_api_key_file}: {e.strerror}") from e
+        if not key:
+            raise ConfigError(f"generator_api_key_file {self.generator_api_key_file} is empty")
+        return key
 
     @property
     def catalog_path(self) -> Path:

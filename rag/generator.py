@@ -1,0 +1,137 @@
+"""The generator seam: one async, streaming protocol for the local engine and remote OpenAI servers.
+
+The pipeline, the CLI and the API talk to a `Generator` only. Implementations:
+`rag.generators.local.LocalGenerator` (our engine through AsyncLLMEngine, continuous batching
+across every user's requests) and `rag.generators.remote.RemoteGenerator` (any OpenAI-compatible
+server: vLLM, SGLang, TGI, llama.cpp, LiteLLM, `rag engine serve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How to sample, for any generator (a subset of the OpenAI request fields).
+
+    Raises:
+        ValueError: a value out of range (the message names the valid range).
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be at most 4 non-empty strings, got {self.stop!r}")
+
+
+@dataclass(frozen=True)
+class CacheSegment:
+    """A piece of the prompt whose KV blocks belong to one prefix-cache namespace.
+
+    `text` is a substring of the messages' contents, found in the rendered prompt in the order
+    the segments are given; its namespace holds from the segment's first token up to the next
+    segment's first token (the last one's to the end of the prompt). Text before the first
+    segment (the chat template's header, the system prompt) is in `GenerationRequest.base_namespace`.
+    """
+
+    text: str
+    namespace: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: chat messages, sampling, and who may share its cached KV.
+
+    Attributes:
+        messages: OpenAI-style chat messages (role, content strings).
+        params: sampling parameters.
+        segments: cache namespaces per piece of the prompt (sources by their ACL, the history and
+            the question salted per user); empty means the whole prompt is in `user_salt`'s domain.
+        base_namespace: the namespace of the prompt's head, before the first segment.
+        user_salt: a server-derived per-principal salt, for generators that take only one salt
+            per request (vLLM's `cache_salt`): never chosen by a client.
+    """
+
+    messages: list[Message]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    segments: Sequence[CacheSegment] = ()
+    base_namespace: str = "rag:system"
+    user_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New answer text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    """The last event of a stream: why it stopped and what it cost.
+
+    Attributes:
+        finish_reason: "stop" or "length".
+        prompt_tokens, completion_tokens: as the generator counted them (0 when it did not say).
+        cached_tokens: prompt tokens served from the prefix cache (None when unknown).
+        time_to_first_token: seconds from the request reaching the generator to its first token.
+    """
+
+    finish_reason: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+    time_to_first_token: float | None = None
+
+
+GenerationEvent = TextDelta | GenerationDone
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What the pipeline needs from a text generator."""
+
+    @property
+    def model_name(self) -> str:
+        """The model's name, as reported to clients."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens `text` takes in a prompt (exact for the local engine, an estimate otherwise)."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """TextDelta events as they are produced, then exactly one GenerationDone.
+
+        Closing the iterator early (a client disconnect, a deadline) aborts the generation and
+        frees what it holds.
+
+        Raises:
+            GenerationError: a request the generator refuses (prompt too long, bad parameters).
+            GeneratorUnavailable: the generator is down or failed.
+        """
+        ...
+
+    def is_ready(self) -> bool:
+        """Whether a generation started now can succeed (the engine runs, the server answers)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop background work and release the model or connections."""
+        ...
