@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from generation.config import EngineConfig, ModelConfig
+from generation.engine.cache_namespaces import NamespaceSpec
 from generation.engine.llm_engine import LLMEngine
 from generation.engine.metrics import MetricsSnapshot
 from generation.models.llama import LlamaForCausalLM
@@ -74,14 +75,16 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
-        namespace: str | None = None,
+        namespace: NamespaceSpec = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, all batched together; outputs come back in the order of the prompts.
 
         Args:
             prompts: one string, a list of strings, or a list of token-id lists.
             params: one SamplingParams for all prompts, one per prompt, or None for greedy.
-            namespace: prefix-cache domain of these requests (KV is shared only within one).
+            namespace: prefix-cache domain of these requests (KV is shared only within one), or
+                `(token_offset, namespace)` regions applied to every prompt's token ids (see
+                LLMEngine.add_request); regions must fit the shortest prompt.
 
         Raises:
             GenerationError: an empty or over-long prompt, mismatched params, or text prompts /
@@ -114,9 +117,12 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         params: SamplingParams | list[SamplingParams] | None = None,
-        namespace: str | None = None,
+        namespace: NamespaceSpec = None,
     ) -> RequestOutput | list[RequestOutput]:
         """Answer one conversation (a list of messages) or several (a list of such lists).
+
+        `namespace` as in generate(); region offsets count the templated token ids
+        (apply_chat_template).
 
         Returns:
             One RequestOutput for one conversation, a list for a list of conversations.
@@ -145,11 +151,12 @@ class LLM:
         return [int(t) for t in ids]
 
     def stream(
-        self, prompt: str | list[int], params: SamplingParams | None = None, namespace: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, namespace: NamespaceSpec = None
     ) -> Iterator[str]:
         """Yield text deltas as tokens are produced; never yields any part of a stop string.
 
-        Closing the iterator early aborts the request and frees its KV blocks.
+        Closing the iterator early aborts the request and frees its KV blocks. `namespace` as in
+        generate().
 
         Raises:
             GenerationError: as generate(); streaming also needs a tokenizer.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from generation.config import EngineConfig
+from generation.engine.cache_namespaces import NamespaceSpec
 from generation.engine.llm_engine import LLMEngine, Request, RequestUpdate
 from generation.engine.metrics import MetricsSnapshot
 from generation.sampling_params import SamplingParams
@@ -61,9 +62,12 @@ class AsyncLLMEngine:
         return self._thread.is_alive()
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, namespace: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, namespace: NamespaceSpec = None
     ) -> AsyncIterator[str]:
         """Yield the request's text deltas as they appear (never any part of a stop string).
+
+        `namespace`: one prefix-cache namespace, or `(token_offset, namespace)` regions over the
+        prompt's token ids; see LLMEngine.add_request.
 
         Raises:
             GenerationError: a bad request (raised before anything is queued), or the engine failed.
@@ -76,9 +80,12 @@ class AsyncLLMEngine:
                     yield update.text_delta
 
     async def generate_updates(
-        self, prompt: str | list[int], params: SamplingParams | None = None, namespace: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, namespace: NamespaceSpec = None
     ) -> AsyncIterator[RequestUpdate]:
         """Yield every RequestUpdate of a new request (tokens, text delta; the last has the output).
+
+        `namespace`: one prefix-cache namespace, or `(token_offset, namespace)` regions over the
+        prompt's token ids; see LLMEngine.add_request.
 
         Raises:
             GenerationError: a bad request (raised before anything is queued), or the engine failed.

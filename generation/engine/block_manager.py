@@ -18,7 +18,8 @@ class BlockManager:
     Args:
         num_blocks: blocks in the KV cache (>= 1).
         block_size: tokens per block (>= 1).
-        enable_prefix_cache: share full blocks between sequences of the same namespace.
+        enable_prefix_cache: share full blocks between sequences of the same namespaces: a block is
+            shared only when its namespace key (every region covering it) and its whole prefix agree.
 
     Raises:
         ValueError: num_blocks or block_size < 1.
@@ -138,7 +139,7 @@ class BlockManager:
             self._cache.insert(
                 seq.block_table[i],
                 self._block_hash(seq, i),
-                seq.namespace,
+                seq.block_namespace_key(i, self.block_size),
                 seq.block_hashes[i - 1] if i else None,
                 seq.block_tokens(i, self.block_size),
             )
@@ -200,7 +201,13 @@ class BlockManager:
                 if entry is not None:
                     # A shared block must hold exactly this sequence's tokens, prefix and namespace.
                     _check(entry.block_hash == seq.block_hashes[i], f"{seq} block {i} is cached under another hash")
-                    _check(entry.namespace == seq.namespace, f"{seq} shares block {i} across namespaces")
+                    key = seq.block_namespace_key(i, self.block_size)
+                    _check(entry.namespace == key, f"{seq} shares block {i} across namespaces")
+                    _check(
+                        entry.parent_hash == (seq.block_hashes[i - 1] if i else None),
+                        f"{seq} shares block {i} under another prefix",
+                    )
+                    _check(entry.token_ids == tuple(seq.block_tokens(i, self.block_size)), f"{seq} block {i} tokens")
             for i in range(self._num_published[seq.seq_id], len(seq.block_table)):
                 _check(not cache.is_cached(seq.block_table[i]), f"{seq} block {i} is cached before it is computed")
 
@@ -215,7 +222,7 @@ class BlockManager:
         for i in range(max_blocks):
             block_id = self._cache.lookup(
                 self._block_hash(seq, i),
-                seq.namespace,
+                seq.block_namespace_key(i, self.block_size),
                 seq.block_hashes[i - 1] if i else None,
                 seq.block_tokens(i, self.block_size),
             )
@@ -236,7 +243,8 @@ class BlockManager:
             j = len(hashes)
             tokens = seq.block_tokens(j, self.block_size)
             assert len(tokens) == self.block_size, "only full blocks have a hash"
-            hashes.append(hash_block(seq.namespace, hashes[j - 1] if j else None, tokens))
+            key = seq.block_namespace_key(j, self.block_size)
+            hashes.append(hash_block(key, hashes[j - 1] if j else None, tokens))
         return hashes[i]
 
     def _incref(self, block_id: int) -> None:

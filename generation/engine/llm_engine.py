@@ -11,6 +11,7 @@ from typing import Any
 
 from generation.config import EngineConfig
 from generation.engine.block_manager import BlockManager
+from generation.engine.cache_namespaces import CacheNamespaces, NamespaceSpec
 from generation.engine.detokenizer import PROMPT_CONTEXT_TOKENS
 from generation.engine.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from generation.engine.model_runner import ModelRunner
@@ -120,7 +121,7 @@ class LLMEngine:
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        namespace: str | None = None,
+        namespace: NamespaceSpec = None,
         *,
         incremental_text: bool = True,
     ) -> int:
@@ -130,13 +131,18 @@ class LLMEngine:
             prompt: token ids, or text (tokenized with the model's tokenizer).
             params: sampling and stopping; greedy with defaults when None.
             namespace: prefix-cache domain: KV blocks are shared only between requests of the
-                same namespace (None is a namespace of its own).
+                same namespace (None is a namespace of its own). Or `(token_offset, namespace)`
+                regions (`generation.engine.cache_namespaces.NamespaceRegions`) for a prompt whose
+                segments have different domains, e.g. `[(0, "sys"), (40, "acl:lab-a"), (90,
+                "user:ana")]`: the first offset 0, offsets strictly increasing and inside the
+                prompt's token ids, generated tokens in the last region. A block is shared only
+                when every region covering it and every block before it agree.
             incremental_text: produce text deltas every step; False leaves them empty and
                 decodes the text once at the end (cheaper, for offline batches).
 
         Raises:
-            GenerationError: an empty, over-long or out-of-vocabulary prompt, or text / stop
-                strings without a tokenizer.
+            GenerationError: an empty, over-long or out-of-vocabulary prompt, malformed namespace
+                regions, or text / stop strings without a tokenizer.
         """
         return self.add(self.make_request(prompt, params, namespace, incremental_text=incremental_text))
 
@@ -144,7 +150,7 @@ class LLMEngine:
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        namespace: str | None = None,
+        namespace: NamespaceSpec = None,
         *,
         incremental_text: bool = True,
     ) -> Request:
@@ -153,8 +159,12 @@ class LLMEngine:
         ids = self._prompt_ids(prompt)
         if params.stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this model folder has none")
+        try:
+            namespaces = CacheNamespaces.of(namespace, len(ids))
+        except ValueError as exc:
+            raise GenerationError(f"bad prefix-cache namespace for a {len(ids)}-token prompt: {exc}") from exc
         max_new = min(params.max_tokens, self.max_model_len - len(ids))
-        state = SeqState(ids, max_tokens=max_new, namespace=namespace)
+        state = SeqState(ids, max_tokens=max_new, namespace=namespaces)
         # Without incremental text and stop strings no detokenizer runs per token (it costs two
         # tokenizer calls per token); the text is decoded once when the request finishes.
         detokenize = incremental_text or bool(params.stop)

@@ -39,10 +39,16 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """What the service exports: queue lengths, KV blocks, prefix-cache hits and latencies."""
+    """What the service exports: queue lengths, KV blocks, prefix-cache hits and latencies.
+
+    `max_num_running` is the most sequences the scheduler put in one batch since start (decodes
+    and prefill chunks together); `prefix_cache_hit_tokens` / `prefix_cache_queried_tokens` count
+    prompt tokens served from / looked up in the prefix cache at admission, since start.
+    """
 
     num_running: int
     num_waiting: int
+    max_num_running: int
     num_kv_blocks: int
     num_kv_blocks_used: int
     num_kv_blocks_free: int
@@ -132,6 +138,7 @@ class EngineMetrics:
         return MetricsSnapshot(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
+            max_num_running=scheduler.max_num_running,
             num_kv_blocks=bm.num_blocks,
             num_kv_blocks_used=bm.num_used_blocks,
             num_kv_blocks_free=bm.num_free_blocks,

@@ -9,26 +9,40 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from generation.engine.cache_namespaces import NamespaceKey
+
 HASH_SIZE = 32  # bytes of blake2b; wide enough that a collision is not a practical concern
 
 
-def hash_block(namespace: str | None, parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Hash of one full block: its namespace, the hash of the block before it and its token ids.
+def hash_block(namespace: NamespaceKey, parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Hash of one full block: its namespace key, the hash of the block before it and its token ids.
 
     Chaining the parent's hash makes equal hashes mean equal content *and* equal prefix, which is
     what makes the KV reusable (attention at every position depends on all earlier tokens).
-    The encoding is unambiguous: None and "" namespaces differ, and so do "no parent" and a parent.
+    `namespace` is a block's key (`CacheNamespaces.block_key`): a plain namespace, or the
+    `(offset in block, namespace)` regions of a block that a region boundary crosses.
+    The encoding is unambiguous: None and "" namespaces differ, a region tuple differs from any
+    plain namespace (its own tag, every part length-prefixed), and "no parent" from a parent.
     """
     h = hashlib.blake2b(digest_size=HASH_SIZE)
-    if namespace is None:
-        h.update(b"\x00")
+    if isinstance(namespace, tuple):
+        h.update(b"\x02" + struct.pack("<Q", len(namespace)))
+        for offset, region_namespace in namespace:
+            h.update(struct.pack("<Q", offset) + _namespace_bytes(region_namespace))
     else:
-        encoded = namespace.encode("utf-8")
-        h.update(b"\x01" + struct.pack("<Q", len(encoded)) + encoded)
+        h.update(_namespace_bytes(namespace))
     h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash)
     # Little-endian int64 so the hash does not depend on the machine; the tokens run to the end.
     h.update(_int64s(len(token_ids)).pack(*token_ids))
     return h.digest()
+
+
+def _namespace_bytes(namespace: str | None) -> bytes:
+    # Tag 0 for None, tag 1 + length for a string: a plain namespace hashes as it always did.
+    if namespace is None:
+        return b"\x00"
+    encoded = namespace.encode("utf-8")
+    return b"\x01" + struct.pack("<Q", len(encoded)) + encoded
 
 
 @functools.cache
@@ -43,7 +57,7 @@ class CachedBlock:
 
     block_id: int
     block_hash: bytes
-    namespace: str | None
+    namespace: NamespaceKey  # the block's namespace key, not only the request's first namespace
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
 
@@ -71,14 +85,14 @@ class PrefixCache:
         return len(self._evictable)
 
     def lookup(
-        self, block_hash: bytes, namespace: str | None, parent_hash: bytes | None, token_ids: Sequence[int]
+        self, block_hash: bytes, namespace: NamespaceKey, parent_hash: bytes | None, token_ids: Sequence[int]
     ) -> int | None:
-        """The physical block holding exactly this block, or None."""
+        """The physical block holding exactly this block (same namespace key, parent, tokens), or None."""
         entry = self._by_hash.get(block_hash)
         if entry is None:
             return None
-        # Namespaces are a security boundary: compare them (and the content) exactly, never only
-        # through the hash.
+        # Namespaces are a security boundary: compare the whole key (every region covering the
+        # block) and the content exactly, never only through the hash.
         if entry.namespace != namespace or entry.parent_hash != parent_hash or entry.token_ids != tuple(token_ids):
             return None
         return entry.block_id
@@ -87,7 +101,7 @@ class PrefixCache:
         self,
         block_id: int,
         block_hash: bytes,
-        namespace: str | None,
+        namespace: NamespaceKey,
         parent_hash: bytes | None,
         token_ids: Sequence[int],
     ) -> bool:

@@ -139,6 +139,9 @@ class Scheduler:
         self.running: list[SeqState] = []
         self._seqs: dict[int, SeqState] = {}
         self.num_preemptions = 0
+        # Most sequences in one scheduled batch since start: shows that concurrent requests were
+        # batched together rather than served one after another.
+        self.max_num_running = 0
 
     @property
     def num_waiting(self) -> int:
@@ -222,6 +225,7 @@ class Scheduler:
         if not preempted:
             self._admit(entries, budget)
         num_steps = self._plan_steps(entries) if not preempted else 1
+        self.max_num_running = max(self.max_num_running, len(entries))
         return ScheduledBatch(entries, preempted, num_steps)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[SeqState]:

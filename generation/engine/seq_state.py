@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterable
 from enum import Enum
 
+from generation.engine.cache_namespaces import CacheNamespaces, NamespaceKey, NamespaceSpec
+
 # Process-wide ids: one engine may hold requests created by several callers.
 _seq_ids = itertools.count()
 
@@ -25,19 +27,22 @@ class SeqState:
     Args:
         prompt_token_ids: the prompt, at least one token.
         max_tokens: most tokens to generate (>= 1); the scheduler finishes the sequence there.
-        namespace: cache domain (tenant, permission domain); KV blocks are shared only between
-            sequences of the same namespace, and None is a namespace of its own.
+        namespace: cache domain (tenant, permission domain) of the whole prompt, as a string or
+            None (a namespace of its own); or `(token_offset, namespace)` regions
+            (`cache_namespaces.NamespaceRegions`), the first at 0, offsets strictly increasing and
+            inside the prompt, generated tokens in the last region. A KV block is shared only
+            between sequences whose namespaces agree on every token of it and of all blocks before it.
         arrival_time: orders admission and preemption; `time.monotonic()` when not given.
 
     Raises:
-        ValueError: empty prompt, or max_tokens < 1.
+        ValueError: empty prompt, max_tokens < 1, or malformed namespace regions.
     """
 
     def __init__(
         self,
         prompt_token_ids: Iterable[int],
         max_tokens: int,
-        namespace: str | None = None,
+        namespace: NamespaceSpec | CacheNamespaces = None,
         arrival_time: float | None = None,
     ) -> None:
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -48,7 +53,9 @@ class SeqState:
         self.seq_id: int = next(_seq_ids)
         self.num_prompt_tokens: int = len(self.token_ids)
         self.max_tokens = max_tokens
-        self.namespace = namespace
+        self.cache_namespaces = CacheNamespaces.of(namespace, self.num_prompt_tokens)
+        # The plain namespace, or the normalized regions as a tuple (hashable, for fingerprints).
+        self.namespace = self.cache_namespaces.spec
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
         self.status = SeqStatus.WAITING
         # Set by the caller's stop logic (EOS, stop strings); the scheduler frees the sequence then.
@@ -97,6 +104,10 @@ class SeqState:
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         """Token ids of logical block i (shorter than block_size for a partial last block)."""
         return self.token_ids[i * block_size : (i + 1) * block_size]
+
+    def block_namespace_key(self, i: int, block_size: int) -> NamespaceKey:
+        """Namespace key of logical block i: every namespace region covering one of its tokens."""
+        return self.cache_namespaces.block_key(i, block_size)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
