@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from rag.cli_db import db_app
+from rag.cli_engine import engine_app
 from rag.cli_index import index_app
 from rag.errors import RagError
 
@@ -29,6 +30,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 app.add_typer(users_app, name="users")
 app.add_typer(index_app, name="index")
+app.add_typer(engine_app, name="engine")
 
 _state: dict[str, object] = {}
 
@@ -170,9 +172,12 @@ def query(
 ) -> None:
     """Answer a question from the documents USER may read, with numbered citations."""
     rag = _rag(store=store, dsn=dsn)
-    principal = rag.principal(user, group or [])
-    answer = rag.query(question, principal, collection=collection, k=k, generate=not no_generate,
-                       rerank=False if no_rerank else None, mode=mode)
+    try:
+        principal = rag.principal(user, group or [])
+        answer = rag.query(question, principal, collection=collection, k=k, generate=not no_generate,
+                           rerank=False if no_rerank else None, mode=mode)
+    finally:
+        rag.close()  # stops the engine's step thread before the interpreter exits
     if as_json:
         typer.echo(json.dumps(answer_to_dict(answer, principal), indent=2))
         return
@@ -215,14 +220,32 @@ def serve(
     port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
     store: Store = None,
     dsn: Dsn = None,
+    generator_url: Annotated[str | None, typer.Option(
+        "--generator-url", help="generate on this OpenAI-compatible server (vLLM, SGLang, LiteLLM, `rag engine "
+        "serve`), e.g. http://gpu01:8001/v1; its key goes in RAG_GENERATOR_API_KEY or generator_api_key_file")] = None,
+    generator_model: Annotated[str | None, typer.Option(
+        "--generator-model", help="model id on that server (default: the first it lists)")] = None,
+    max_concurrent: Annotated[int | None, typer.Option(
+        "--max-concurrent", help="answers generated at once (default 64)")] = None,
+    max_queued: Annotated[int | None, typer.Option(
+        "--max-queued", help="questions waiting for a slot before new ones get 429 (default 256)")] = None,
 ) -> None:
-    """Serve the query API (POST /v1/query with `Authorization: Bearer KEY`, GET /healthz)."""
+    """Serve the query API and the OpenAI-compatible chat API.
+
+    Routes: POST /v1/query (JSON or server-sent events), GET /v1/models, POST /v1/chat/completions,
+    GET /v1/documents/COLLECTION/CHUNK, GET /healthz, GET /readyz. Every /v1 route takes
+    `Authorization: Bearer KEY` (keys from `rag keys create`).
+    """
     import uvicorn
 
     from rag.api.app import create_app
     from rag.settings import load_settings
 
-    settings = load_settings(home=_state.get("home"), host=host, port=port, store=store, dsn=dsn)
+    backend = "remote" if generator_url else None
+    settings = load_settings(home=_state.get("home"), host=host, port=port, store=store, dsn=dsn,
+                             generator_backend=backend, generator_url=generator_url,
+                             generator_model=generator_model, max_concurrent_generations=max_concurrent,
+                             max_queued_generations=max_queued)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 

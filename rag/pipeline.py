@@ -6,6 +6,10 @@ what the CLI, the API and notebooks use.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -16,23 +20,20 @@ from typing import TYPE_CHECKING
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from permissions.identity import IdentityStore
 from permissions.models import Principal
-from rag.errors import ConfigError
-from rag.prompts import (
-    build_messages,
-    canonical_order,
-    citations_for,
-    is_repeating,
-    select_sources,
-    trim_repetition,
-)
+from rag.admission import AdmissionControl
+from rag.answering import AnswerDone, PreparedAnswer, answer_events
+from rag.batching import BatchedQueryEmbedder, BatchedReranker
+from rag.errors import ConfigError, NotFoundError
+from rag.generator import CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
+from rag.loop_thread import LoopThread
+from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
 from rag.settings import Settings, check_collection_name
-from rag.types import Answer
+from rag.types import Answer, Hit
 from retrieval.catalog import Catalog
 from retrieval.index import CollectionIndex
 from retrieval.retriever import Retriever, check_mode
 
 if TYPE_CHECKING:
-    from generation import LLM
     from ingest.embed import Embedder
     from retrieval.base import CollectionStore
     from retrieval.rerank import CrossEncoderReranker
@@ -51,9 +52,25 @@ class Rag:
         self.identity = IdentityStore(settings.catalog_path)
         self._indexes: dict[str, CollectionIndex] = {}
         self._lock = threading.Lock()
-        self._generate_lock = threading.Lock()
+
+    async def aclose_generator(self) -> None:
+        """Stop the generator from the event loop that used it (the API's lifespan calls this)."""
+        generator = self.__dict__.pop("generator", None)
+        if generator is not None:
+            await generator.aclose()
 
     def close(self) -> None:
+        for name in ("query_embedder", "batched_reranker"):
+            if name in self.__dict__:
+                self.__dict__[name].close()
+        if "generator" in self.__dict__:
+            loop = self.__dict__.get("_loop")
+            if loop is not None:
+                loop.run(self.generator.aclose())
+            else:
+                asyncio.run(self.generator.aclose())
+        if "_loop" in self.__dict__:
+            self._loop.close()
         if "embedder" in self.__dict__:  # stop its GPU worker processes, if any
             close_embedder = getattr(self.embedder, "close", None)
             if close_embedder is not None:
@@ -82,14 +99,6 @@ class Rag:
 
         path = resolve_reranker_dir(self.settings.reranker, self.settings.model_cache)
         return CrossEncoderReranker(path, device=self.settings.device)
-
-    @cached_property
-    def llm(self) -> LLM:
-        from generation import LLM
-        from generation.loader import resolve_model_dir
-
-        path = resolve_model_dir(self.settings.generator, self.settings.model_cache)
-        return LLM(path, device=self.settings.device)
 
     # -- collections ---------------------------------------------------------------------
 
@@ -185,6 +194,33 @@ class Rag:
                           ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
         return IngestPipeline(index, self.embedder.embed, chunker).run(paths, progress, shard=shard)
 
+    def readable_collections(self, principal: Principal) -> list[str]:
+        """Collections in which `principal` may read at least one chunk (others stay unnamed)."""
+        from permissions.policy import store_filter
+
+        tokens = sorted(store_filter(principal))
+        names = []
+        for name in self.collection_names():
+            index = self.index(name)
+            index.refresh()
+            # An exact search with a zero query returns any readable chunk, and nothing else:
+            # the ACL filter runs inside it as for every query.
+            if index.search(_zero_query(index.info.dim), 1, tokens, exact=True):
+                names.append(name)
+        return names
+
+    def readable_chunk(self, collection: str, chunk_id: int, principal: Principal):
+        """The chunk record if it exists and `principal` may read it, else None (never says which)."""
+        try:
+            index = self.index(collection)
+        except (NotFoundError, ConfigError):
+            return None
+        index.refresh()
+        record = index.chunk_records([chunk_id]).get(chunk_id)
+        if record is None or not principal.can_read(record.acl):
+            return None
+        return record
+
     # -- identity ------------------------------------------------------------------------
 
     def principal(self, user: str, groups: Sequence[str] = ()) -> Principal:
@@ -193,7 +229,11 @@ class Rag:
     # -- queries ---------------------------------------------------------------------------
 
     def retriever(self, collection: str | None = None, rerank: bool | None = None) -> Retriever:
-        """A retriever over a collection; models are loaded only when they are used."""
+        """A retriever over a collection; models are loaded only when they are used.
+
+        Query embeddings and rerank pairs of concurrent queries (the API runs each in its own
+        thread) are batched into shared forward passes.
+        """
         index = self.index(collection)  # first: an unknown collection fails before models load
         use_rerank = self.settings.rerank if rerank is None else rerank
 
@@ -205,60 +245,122 @@ class Rag:
                     f"collection {index.name!r} was built with embedder {index.info.embedder}, but this "
                     f"run uses {self.embedder.name}: set `embedder` to the collection's model, or use "
                     "--mode keyword, or re-ingest into a new collection")
-            return self.embedder.embed_query(question)
+            return self.query_embedder(question)
 
-        return Retriever(index, embed_query, self.reranker if use_rerank else None)
+        return Retriever(index, embed_query, self.batched_reranker if use_rerank else None)
+
+    @cached_property
+    def query_embedder(self) -> BatchedQueryEmbedder:
+        return BatchedQueryEmbedder(self.embedder.embed)
+
+    @cached_property
+    def batched_reranker(self) -> BatchedReranker:
+        return BatchedReranker(self.reranker)
+
+    # -- generation --------------------------------------------------------------------------
+
+    @cached_property
+    def generator(self) -> Generator:
+        """The generator the settings name: our engine in this process, or a remote server."""
+        if self.settings.generator_backend == "remote":
+            from rag.generators.remote import make_remote_generator
+
+            return make_remote_generator(self.settings)
+        from generation.loader import resolve_model_dir
+        from rag.generators.local import LocalGenerator
+
+        path = resolve_model_dir(self.settings.generator, self.settings.model_cache)
+        return LocalGenerator(path, device=self.settings.device, max_num_seqs=self.settings.engine_max_num_seqs,
+                              num_kv_blocks=self.settings.engine_num_kv_blocks)
+
+    @cached_property
+    def admission(self) -> AdmissionControl:
+        return AdmissionControl(self.settings.max_concurrent_generations, self.settings.max_queued_generations)
+
+    @cached_property
+    def _loop(self) -> LoopThread:
+        return LoopThread()
+
+    # -- queries ---------------------------------------------------------------------------
 
     def query(self, question: str, principal: Principal, collection: str | None = None,
               k: int | None = None, generate: bool = True, rerank: bool | None = None,
-              mode: str | None = None) -> Answer:
+              mode: str | None = None, history: Sequence[dict[str, str]] = ()) -> Answer:
         """Answer a question from what `principal` may read.
 
         Args:
             mode: retrieval legs, "dense", "keyword" or "hybrid" (default: settings.mode).
+            history: earlier turns of a conversation ({"role", "content"}), kept in the prompt.
 
         Raises:
             ConfigError: empty question, bad k or unknown mode.
             NotFoundError: unknown collection.
+            OverloadedError: every generation slot is taken and the queue is full.
         """
-        answer, tokens = self._prepare(question, principal, collection, k, generate, rerank, mode)
-        if tokens is not None:
-            t = time.perf_counter()
-            answer.text = trim_repetition(_collect_until_repeating(tokens))
-            answer.timings["generate"] = time.perf_counter() - t
-            answer.timings["total"] += answer.timings["generate"]
-        return answer
+        return self._loop.run(self.aquery(question, principal, collection, k, generate, rerank, mode, history))
+
+    async def aquery(self, question: str, principal: Principal, collection: str | None = None,
+                     k: int | None = None, generate: bool = True, rerank: bool | None = None,
+                     mode: str | None = None, history: Sequence[dict[str, str]] = ()) -> Answer:
+        """`query` for async callers: retrieval runs in a worker thread, generation is batched."""
+        prepared = await self.aprepare(question, principal, collection, k, generate, rerank, mode, history)
+        async for event in self.answer_events(prepared):
+            if isinstance(event, AnswerDone):
+                return event.answer
+        raise AssertionError("answer_events ended without AnswerDone")
 
     def stream(self, question: str, principal: Principal, collection: str | None = None,
                k: int | None = None, mode: str | None = None) -> tuple[Answer, Iterator[str]]:
         """Retrieval now, then an iterator of answer text pieces (generation is lazy)."""
-        answer, tokens = self._prepare(question, principal, collection, k, True, None, mode)
-        if tokens is None:  # nothing relevant: the fixed answer is the whole stream
-            return answer, iter([answer.text or ""])
-        return answer, tokens
+        prepared = self._loop.run(self.aprepare(question, principal, collection, k, True, None, mode))
 
-    def _prepare(self, question: str, principal: Principal, collection: str | None,
-                 k: int | None, generate: bool, rerank: bool | None, mode: str | None,
-                 ) -> tuple[Answer, Iterator[str] | None]:
+        def pieces() -> Iterator[str]:
+            for event in self._loop.iterate(self.answer_events(prepared)):
+                if isinstance(event, TextDelta):
+                    yield event.text
+
+        return prepared.answer, pieces()
+
+    def answer_events(self, prepared: PreparedAnswer, deadline: float | None = None):
+        """The answer's text deltas, then AnswerDone (see rag.answering.answer_events)."""
+        generator = self.generator if prepared.request is not None else None
+        return answer_events(prepared, generator, self.admission, deadline)
+
+    async def aprepare(self, question: str, principal: Principal, collection: str | None = None,
+                       k: int | None = None, generate: bool = True, rerank: bool | None = None,
+                       mode: str | None = None, history: Sequence[dict[str, str]] = (),
+                       retrieval_query: str | None = None) -> PreparedAnswer:
+        """Retrieve (in a worker thread: embedding, search and rerank stay off the event loop)."""
+        return await asyncio.to_thread(self.prepare, question, principal, collection, k, generate, rerank,
+                                       mode, history, retrieval_query)
+
+    def prepare(self, question: str, principal: Principal, collection: str | None = None,
+                k: int | None = None, generate: bool = True, rerank: bool | None = None,
+                mode: str | None = None, history: Sequence[dict[str, str]] = (),
+                retrieval_query: str | None = None) -> PreparedAnswer:
+        """Retrieve and pack the prompt; the returned PreparedAnswer says what to generate.
+
+        Args:
+            retrieval_query: what to search with, when it differs from the question (a
+                follow-up in a conversation is searched with the turn before it).
+        """
+        started = time.perf_counter()
         question = (question or "").strip()
         if not question:
             raise ConfigError("empty question: ask something, e.g. `rag query \"Which GPU nodes can I use?\"`")
         k = k if k is not None else self.settings.top_k
         if not 1 <= k <= 100:
             raise ConfigError(f"k must be between 1 and 100, got {k}")
-        total = time.perf_counter()
         retriever = self.retriever(collection, rerank)
-        result = retriever.retrieve(question, principal, k=k,
+        result = retriever.retrieve(retrieval_query or question, principal, k=k,
                                     candidates=max(k, self.settings.candidates),
                                     rerank=retriever.reranker is not None,
                                     mode=check_mode(mode or self.settings.mode))
         timings = dict(result.timings)
-        answer = Answer(question=question, text=None, citations=[], hits=result.hits,
-                        timings=timings)
+        answer = Answer(question=question, text=None, citations=[], hits=result.hits, timings=timings)
         if not generate:
             answer.citations = citations_for(canonical_order(result.hits))
-            timings["total"] = time.perf_counter() - total
-            return answer, None
+            return PreparedAnswer(answer, None, started)
         relevant = result.hits
         floor = self.settings.min_rerank_score
         if retriever.reranker is not None and floor is not None:
@@ -266,43 +368,45 @@ class Rag:
         if not relevant:
             # Nothing the user may read is about this: say so rather than let a model guess.
             answer.text = NO_ANSWER
-            timings["total"] = time.perf_counter() - total
-            return answer, None
+            return PreparedAnswer(answer, None, started)
         t = time.perf_counter()
-        llm = self.llm
+        generator = self.generator
         timings["load_generator"] = time.perf_counter() - t
-        sources = canonical_order(select_sources(
-            relevant, lambda s: len(llm.tokenizer.encode(s)), self.settings.context_tokens))
+        sources = canonical_order(select_sources(relevant, generator.count_tokens, self.settings.context_tokens))
         answer.citations = citations_for(sources)
-        messages = build_messages(question, sources)
-        timings["total"] = time.perf_counter() - total
-        return answer, self._generate(messages)
+        prompt = build_prompt(question, sources, history)
+        request = GenerationRequest(
+            messages=prompt.messages,
+            params=GenerationParams(max_tokens=self.settings.max_new_tokens, temperature=self.settings.temperature),
+            segments=self.cache_segments(prompt, sources, principal),
+            user_salt=self.user_salt(principal))
+        return PreparedAnswer(answer, request, started)
 
-    def _generate(self, messages: list[dict[str, str]]) -> Iterator[str]:
-        from generation import SamplingParams
+    # -- prefix-cache namespaces -------------------------------------------------------------
 
-        params = SamplingParams(temperature=self.settings.temperature,
-                                max_tokens=self.settings.max_new_tokens)
-        prompt = self.llm.apply_chat_template(messages)
-        # The simple generator is not thread-safe; one generation at a time.
-        with self._generate_lock:
-            yield from self.llm.stream(prompt, params)
+    def cache_segments(self, prompt: Prompt, sources: Sequence[Hit], principal: Principal) -> list[CacheSegment]:
+        """Each source's block in its ACL's namespace; the history and question in the user's."""
+        segments = [CacheSegment(block, acl_namespace(hit.acl)) for block, hit in zip(
+            prompt.source_blocks, sources, strict=True)]
+        segments.append(CacheSegment(prompt.user_part, self.user_salt(principal)))
+        return segments
+
+    def user_salt(self, principal: Principal) -> str:
+        """A per-user cache salt that no client can choose or predict (keyed by a per-process secret)."""
+        digest = hmac.new(self._salt_key, principal.user.encode(), hashlib.sha256).hexdigest()[:32]
+        return f"user:{digest}"
+
+    @cached_property
+    def _salt_key(self) -> bytes:
+        return os.urandom(32)
 
 
-def _collect_until_repeating(tokens: Iterator[str]) -> str:
-    """Join streamed pieces, stopping the generator once the answer loops on itself.
+def acl_namespace(acl: frozenset[str]) -> str:
+    """The cache namespace of text readable by exactly `acl` (sources with equal ACLs share KV)."""
+    return "acl:" + hashlib.sha256("\x00".join(sorted(acl)).encode()).hexdigest()[:32]
 
-    Closing the stream aborts the request, so a small model stuck in a loop does not burn
-    the rest of max_new_tokens on text that would be trimmed anyway.
-    """
-    text = ""
-    try:
-        for piece in tokens:
-            text += piece
-            if any(c in piece for c in ".!?\n") and is_repeating(text):
-                break
-    finally:
-        close = getattr(tokens, "close", None)
-        if close is not None:
-            close()
-    return text
+
+def _zero_query(dim: int):
+    import numpy as np
+
+    return np.zeros(dim, dtype=np.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rag.types import Citation, Hit
 
@@ -38,15 +39,46 @@ def canonical_order(hits: Sequence[Hit]) -> list[Hit]:
     return sorted(hits, key=lambda h: (h.document_key, h.chunk_index))
 
 
-def build_messages(question: str, sources: Sequence[Hit]) -> list[dict[str, str]]:
+def build_messages(question: str, sources: Sequence[Hit],
+                   history: Sequence[dict[str, str]] = ()) -> list[dict[str, str]]:
     """Chat messages: system, then one user turn with the numbered sources and the question."""
+    return build_prompt(question, sources, history).messages
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Messages for the generator and the pieces of them that carry their own cache namespace.
+
+    Layout `[system][source 1]…[source k][history][question]`: the head is shared by everyone,
+    each source block by whoever may read it, and the history and question are the user's own.
+    """
+
+    messages: list[dict[str, str]]
+    source_blocks: list[str]
+    user_part: str
+
+
+def build_prompt(question: str, sources: Sequence[Hit],
+                 history: Sequence[dict[str, str]] = ()) -> Prompt:
+    """The prompt for a question over numbered sources, with earlier turns of a conversation.
+
+    Args:
+        history: earlier {"role": "user"|"assistant", "content"} turns, oldest first; they go
+            after the sources (so that the sources' KV stays shareable) and before the question.
+    """
     blocks = []
     for n, hit in enumerate(sources, 1):
         name = hit.title or hit.document_key.rsplit("/", 1)[-1]
         blocks.append(f"[{n}] {name}\n{hit.text.strip()}")
     context = "\n\n".join(blocks) if blocks else "(no sources available to you)"
-    user = f"Sources:\n\n{context}\n\nQuestion: {question.strip()}\n{ANSWER_INSTRUCTION}"
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    user_part = ""
+    if history:
+        lines = [f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content'].strip()}" for m in history]
+        user_part = "Conversation so far:\n" + "\n".join(lines) + "\n\n"
+    user_part += f"Question: {question.strip()}\n{ANSWER_INSTRUCTION}"
+    user = f"Sources:\n\n{context}\n\n{user_part}"
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    return Prompt(messages, blocks, user_part)
 
 
 def citations_for(sources: Sequence[Hit]) -> list[Citation]:

@@ -137,16 +137,24 @@ class CrossEncoderReranker:
 
         With a 2-label model the score is the log-odds logit[1] - logit[0].
         """
+        return self.score_pairs([(query, p) for p in passages])
+
+    def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """Relevance logits of (query, passage) pairs that may have different queries.
+
+        One call over several users' pairs shares forward passes (the query service batches
+        concurrent reranks this way).
+        """
         import torch
 
-        scores = [0.0] * len(passages)
+        scores = [0.0] * len(pairs)
         # Longest first so similar lengths share a batch and little padding is computed.
-        order = sorted(range(len(passages)), key=lambda i: len(passages[i]), reverse=True)
+        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]), reverse=True)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             enc = self.tokenizer(
-                [query] * len(idx),
-                [passages[i] for i in idx],
+                [pairs[i][0] for i in idx],
+                [pairs[i][1] for i in idx],
                 padding=True,
                 # longest_first trims the passage before the query, and never fails on a
                 # long query the way only_second would.
@@ -172,7 +180,11 @@ class CrossEncoderReranker:
             raise ConfigError(f"top_n must be >= 0 or None, got {top_n}")
         if not hits or top_n == 0:
             return []
-        scores = self.score(query, [h.text for h in hits])
+        return self.apply_scores(hits, self.score(query, [h.text for h in hits]), top_n)
+
+    @staticmethod
+    def apply_scores(hits: Sequence[Hit], scores: Sequence[float], top_n: int | None = None) -> list[Hit]:
+        """Hits carrying their new scores, best first (ties keep their input order)."""
         rescored = [replace(h, score=s) for h, s in zip(hits, scores, strict=True)]
         rescored.sort(key=lambda h: -h.score)  # list.sort is stable: ties keep input order
         return rescored if top_n is None else rescored[:top_n]

@@ -1,14 +1,15 @@
-"""App factory: `create_app(settings)` builds the FastAPI app; its lifespan owns the Rag."""
+"""App factory: `create_app(settings)` builds the FastAPI app; its lifespan owns the Rag and its generator."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from rag.api.errors import install_error_handlers
-from rag.api.routes import health, query
+from rag.api.routes import chat, documents, health, query
 from rag.settings import Settings
 
 
@@ -16,8 +17,8 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
     """Build the API app for one data directory.
 
     Args:
-        settings: where the data lives and which models to use.
-        preload: load the embedder and reranker at start-up rather than on the first query.
+        settings: where the data lives, which models and generator to use, admission limits.
+        preload: load the embedder, reranker and generator at start-up rather than on the first query.
     """
 
     @asynccontextmanager
@@ -25,18 +26,26 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
         from rag.pipeline import Rag
 
         rag = Rag(settings)
-        if preload:
+
+        def load() -> None:
             rag.embedder  # noqa: B018 - load models before taking traffic
             if settings.rerank:
                 rag.reranker  # noqa: B018
+            rag.generator  # noqa: B018
+
+        if preload:
+            await asyncio.to_thread(load)
         app.state.rag = rag
         try:
             yield
         finally:
-            rag.close()
+            await rag.aclose_generator()
+            await asyncio.to_thread(rag.close)
 
-    app = FastAPI(title="lab RAG", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="lab RAG", version="0.2.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(query.router)
+    app.include_router(chat.router)
+    app.include_router(documents.router)
     return app

@@ -1,28 +1,60 @@
-"""Map the RagError tree to HTTP status codes (the only place that does)."""
+"""Map the RagError tree to HTTP status codes (the only place that does).
+
+Two error shapes: the OpenAI routes (`/v1/chat/completions`, `/v1/models`, `/v1/documents`, any
+other `/v1/...` path but `/v1/query`) answer `{"error": {"message", "type", "param", "code"}}`, which
+the `openai` client and chat front ends parse; the query API answers `{"error": "message"}`.
+A message never carries text the caller may not read: internal errors are logged and answered
+with a generic message.
+"""
 
 from __future__ import annotations
 
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag.errors import (
     AuthenticationError,
     ConfigError,
+    DeadlineExceeded,
+    GenerationError,
+    GeneratorUnavailable,
     NotFoundError,
+    OverloadedError,
     PermissionDenied,
     RagError,
 )
 
 log = logging.getLogger(__name__)
 
+# Most specific first.
 _STATUS = [
     (AuthenticationError, 401),
     (PermissionDenied, 403),
     (NotFoundError, 404),
     (ConfigError, 422),
+    (OverloadedError, 429),
+    (GeneratorUnavailable, 503),
+    (DeadlineExceeded, 504),
+    (GenerationError, 502),
 ]
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
+    429: "rate_limit_error", 502: "server_error", 503: "service_unavailable", 504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error raised by a route with its own status, message and OpenAI `param`/`code`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def status_for(error: RagError) -> int:
@@ -32,13 +64,61 @@ def status_for(error: RagError) -> int:
     return 500
 
 
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/") and not path.startswith("/v1/query")
+
+
+def error_response(request: Request, status: int, message: str, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    if is_openai_path(request.url.path):
+        # The OpenAI routes take invalid input as 400 (the client's BadRequestError), not 422.
+        status = 400 if status == 422 else status
+        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
+                          "param": param, "code": code}}
+    else:
+        body = {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def rag_error_response(request: Request, exc: RagError) -> JSONResponse:
+    status = status_for(exc)
+    headers = None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif status == 429:
+        headers = {"Retry-After": str(int(getattr(exc, "retry_after", 1)))}
+    if status == 500:
+        # Internal errors may carry details: log them, answer with a generic message.
+        log.error("internal error: %s", exc, exc_info=exc)
+        return error_response(request, 500, "internal error")
+    return error_response(request, status, str(exc), headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RagError)
     async def _rag_error(request: Request, exc: RagError) -> JSONResponse:
-        status = status_for(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        if status == 500:
-            # Internal errors may carry details: log them, answer with a generic message.
-            log.exception("internal error", exc_info=exc)
-            return JSONResponse({"error": "internal error"}, status_code=500)
-        return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
+        return rag_error_response(request, exc)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(request, exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(request, 422, message, param=".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(request, exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error on %s: %s", request.url.path, exc, exc_info=exc)
+        return error_response(request, 500, "internal error")

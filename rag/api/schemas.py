@@ -14,6 +14,7 @@ class QueryRequest(BaseModel):
     collection: str | None = Field(default=None, description="collection (default: 'default')")
     mode: Literal["dense", "keyword", "hybrid"] | None = Field(
         default=None, description="retrieval legs (default: the server's setting, hybrid)")
+    stream: bool = Field(default=False, description="server-sent events: citations, text deltas, then timings")
 
 
 class CitationOut(BaseModel):
@@ -31,8 +32,17 @@ class QueryResponse(BaseModel):
     answer: str | None
     citations: list[CitationOut]
     timings_ms: dict[str, float]
+    usage: dict[str, int] | None = None
 
 
 class Health(BaseModel):
     status: str
     collections: list[str]
+
+
+class Ready(BaseModel):
+    ready: bool
+    generator: str
+    detail: str | None = None
+    in_flight: int = 0
+    queued: int = 0

@@ -1,8 +1,11 @@
-"""GET /healthz: is the service up, and which collections does it have."""
+"""GET /healthz (the process is up) and GET /readyz (a query started now can be answered)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from rag.api.deps import RagDep
 from rag.api.schemas import Health
@@ -11,5 +14,19 @@ router = APIRouter()
 
 
 @router.get("/healthz", response_model=Health)
-def healthz(rag: RagDep) -> Health:
-    return Health(status="ok", collections=rag.collection_names())
+async def healthz(rag: RagDep) -> Health:
+    return Health(status="ok", collections=await asyncio.to_thread(rag.collection_names))
+
+
+@router.get("/readyz")
+async def readyz(rag: RagDep) -> JSONResponse:
+    generator = rag.__dict__.get("generator")
+    admission = rag.admission.snapshot()
+    body = {"ready": True, "generator": "not loaded", "in_flight": admission.in_flight, "queued": admission.queued}
+    if generator is not None:
+        body["generator"] = generator.model_name
+        check = getattr(generator, "check_ready", None)
+        ready = await check() if check is not None else generator.is_ready()
+        if not ready:
+            body.update(ready=False, detail="the generator is not running or not answering")
+    return JSONResponse(body, status_code=200 if body["ready"] else 503)

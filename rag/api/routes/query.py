@@ -1,29 +1,92 @@
-"""POST /v1/query: answer a question from what the key's principal may read."""
+"""POST /v1/query: answer a question from what the key's principal may read (JSON, or SSE with stream: true)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import time
+from collections.abc import AsyncIterator
 
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from rag.answering import Admitted, AnswerDone
 from rag.api.deps import PrincipalDep, RagDep
+from rag.api.errors import rag_error_response
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
+from rag.api.streaming import SSE_HEADERS, sse, until_disconnected
+from rag.errors import DeadlineExceeded, RagError
+from rag.generator import TextDelta
+from rag.types import Answer
 
 router = APIRouter(prefix="/v1")
 
 
+def citations_out(answer: Answer) -> list[CitationOut]:
+    return [CitationOut(number=c.number, document=c.document_key, source=c.source, chunk=c.chunk_index,
+                        score=c.score, text=c.text) for c in answer.citations]
+
+
+def timings_ms(answer: Answer) -> dict[str, float]:
+    return {k: round(v * 1000, 1) for k, v in answer.timings.items()}
+
+
+async def prepare_with_deadline(rag, deadline: float, **kwargs):
+    try:
+        async with asyncio.timeout(deadline - time.monotonic()):
+            return await rag.aprepare(**kwargs)
+    except TimeoutError as exc:
+        raise DeadlineExceeded("retrieval took longer than the request deadline") from exc
+
+
 @router.post("/query", response_model=QueryResponse)
-def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep) -> QueryResponse:
-    # A plain `def`: FastAPI runs it in a worker thread, so model inference doesn't block
-    # the event loop.
-    answer = rag.query(body.question, principal, collection=body.collection, k=body.k,
-                       generate=body.generate, mode=body.mode)
-    return QueryResponse(
-        question=answer.question,
-        user=principal.user,
-        answer=answer.text,
-        citations=[
-            CitationOut(number=c.number, document=c.document_key, source=c.source,
-                        chunk=c.chunk_index, score=c.score, text=c.text)
-            for c in answer.citations
-        ],
-        timings_ms={k: round(v * 1000, 1) for k, v in answer.timings.items()},
-    )
+async def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep, request: Request):
+    deadline = time.monotonic() + rag.settings.request_timeout
+    prepared = await prepare_with_deadline(rag, deadline, question=body.question, principal=principal,
+                                           collection=body.collection, k=body.k, generate=body.generate,
+                                           mode=body.mode)
+    events = until_disconnected(request, rag.answer_events(prepared, deadline))
+    if not body.stream:
+        done = None
+        async for event in events:
+            if isinstance(event, AnswerDone):
+                done = event
+        answer = done.answer if done else prepared.answer
+        return QueryResponse(question=answer.question, user=principal.user, answer=answer.text,
+                             citations=citations_out(answer), timings_ms=timings_ms(answer),
+                             usage=_usage(done))
+    # Wait for a generation slot before the headers go out: a full queue is a real 429.
+    first = await anext(events, None)
+    return StreamingResponse(_sse_body(request, prepared.answer, principal.user, first, events),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _sse_body(request: Request, answer: Answer, user: str, first, events: AsyncIterator) -> AsyncIterator[str]:
+    yield sse({"type": "citations", "question": answer.question, "user": user,
+               "citations": [c.model_dump() for c in citations_out(answer)]}, event="citations")
+    try:
+        pending = [first] if first is not None else []
+        while True:
+            event = pending.pop() if pending else await anext(events, None)
+            if event is None:
+                return
+            if isinstance(event, Admitted):
+                continue
+            if isinstance(event, TextDelta):
+                yield sse({"type": "delta", "text": event.text}, event="delta")
+            elif isinstance(event, AnswerDone):
+                yield sse({"type": "done", "answer": event.answer.text, "finish_reason": event.finish_reason,
+                           "timings_ms": timings_ms(event.answer), "usage": _usage(event)}, event="done")
+    except RagError as exc:
+        # The headers are gone: the error becomes the stream's last event.
+        response = rag_error_response(request, exc)
+        yield sse({"type": "error", "status": response.status_code, "error": str(exc)}, event="error")
+    finally:
+        await events.aclose()
+
+
+def _usage(done: AnswerDone | None) -> dict[str, int] | None:
+    if done is None or not done.usage.total_tokens:
+        return None
+    u = done.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens}

@@ -1,0 +1,168 @@
+"""OpenAI-compatible chat for front ends: GET /v1/models, POST /v1/chat/completions.
+
+A model id is a collection the key may read from. Answers come from that collection's documents
+the key's principal may read, with citations where front ends and proxies look for them:
+`message.annotations` / `delta.annotations` (OpenAI's url_citation entries, plus the cited text)
+and, when not streaming, a top-level `citations` list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rag.answering import Admitted, AnswerDone
+from rag.api.deps import PrincipalDep, RagDep
+from rag.api.errors import ApiError, rag_error_response
+from rag.api.openai_schemas import ChatCompletionRequest, parse_body
+from rag.api.routes.query import prepare_with_deadline
+from rag.api.streaming import SSE_HEADERS, sse, until_disconnected
+from rag.citations import marker_spans
+from rag.conversation import parse_conversation
+from rag.errors import RagError
+from rag.generator import GenerationParams, TextDelta
+from rag.types import Answer
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/models")
+async def list_models(rag: RagDep, principal: PrincipalDep) -> dict:
+    names = await asyncio.to_thread(rag.readable_collections, principal)
+    created = int(time.time())
+    return {"object": "list",
+            "data": [{"id": n, "object": "model", "created": created, "owned_by": "labrag"} for n in names]}
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, rag: RagDep, principal: PrincipalDep):
+    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    conversation = parse_conversation([m.model_dump() for m in body.messages])
+    readable = await asyncio.to_thread(rag.readable_collections, principal)
+    if body.model not in readable:
+        # The same answer for a collection that does not exist and one this key cannot read.
+        raise ApiError(404, f"the model {body.model!r} does not exist", param="model", code="model_not_found")
+    deadline = time.monotonic() + rag.settings.request_timeout
+    prepared = await prepare_with_deadline(rag, deadline, question=conversation.question, principal=principal,
+                                           collection=body.model, history=conversation.history,
+                                           retrieval_query=conversation.retrieval_query)
+    if prepared.request is not None:
+        defaults = prepared.request.params
+        params = GenerationParams(
+            max_tokens=body.max_completion_tokens or body.max_tokens or defaults.max_tokens,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            stop=tuple(body.stop or ()), seed=body.seed)
+        prepared.request = dataclasses.replace(prepared.request, params=params)
+    events = until_disconnected(request, rag.answer_events(prepared, deadline))
+    reply = _Reply(body.model, _document_url(request, body.model))
+    if not body.stream:
+        done = None
+        async for event in events:
+            if isinstance(event, AnswerDone):
+                done = event
+        assert done is not None
+        return JSONResponse(reply.completion(done))
+    first = await anext(events, None)  # a generation slot first: a full queue is a real 429
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(_chunks(request, reply, first, events, include_usage),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _document_url(request: Request, collection: str):
+    base = str(request.base_url).rstrip("/")
+    return lambda chunk_id: f"{base}/v1/documents/{collection}/{chunk_id}"
+
+
+class _Reply:
+    """The fixed parts of one completion's JSON: id, timestamps, model, citation entries."""
+
+    def __init__(self, model: str, url_for) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.url_for = url_for
+
+    def annotations(self, answer: Answer) -> list[dict]:
+        spans = marker_spans(answer.text or "", [c.number for c in answer.citations])
+        out = []
+        for c, hit in zip(answer.citations, _hits_by_citation(answer), strict=True):
+            start, end = spans.get(c.number, (0, 0))
+            out.append({"type": "url_citation", "url_citation": {
+                "url": self.url_for(hit.chunk_id), "title": f"[{c.number}] {_title(hit)}",
+                "start_index": start, "end_index": end, "number": c.number, "text": c.text,
+                "source": c.source, "document": c.document_key, "chunk": c.chunk_index}})
+        return out
+
+    def citations(self, answer: Answer) -> list[dict]:
+        return [{"number": c.number, "title": _title(h), "url": self.url_for(h.chunk_id), "text": c.text,
+                 "source": c.source, "document": c.document_key, "chunk": c.chunk_index, "score": c.score}
+                for c, h in zip(answer.citations, _hits_by_citation(answer), strict=True)]
+
+    def completion(self, done: AnswerDone) -> dict:
+        answer = done.answer
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "finish_reason": done.finish_reason, "logprobs": None,
+                         "message": {"role": "assistant", "content": answer.text or "",
+                                     "annotations": self.annotations(answer)}}],
+            "usage": _usage(done),
+            "citations": self.citations(answer),
+            "timings_ms": {k: round(v * 1000, 1) for k, v in answer.timings.items()},
+        }
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> str:
+        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+                    **extra})
+
+
+async def _chunks(request: Request, reply: _Reply, first, events: AsyncIterator, include_usage: bool):
+    yield reply.chunk({"role": "assistant", "content": ""})
+    try:
+        pending = [first] if first is not None else []
+        while True:
+            event = pending.pop() if pending else await anext(events, None)
+            if event is None:
+                break
+            if isinstance(event, Admitted):
+                continue
+            if isinstance(event, TextDelta):
+                yield reply.chunk({"content": event.text})
+            elif isinstance(event, AnswerDone):
+                yield reply.chunk({"annotations": reply.annotations(event.answer)})
+                yield reply.chunk({}, event.finish_reason)
+                if include_usage:
+                    yield sse({"id": reply.id, "object": "chat.completion.chunk", "created": reply.created,
+                               "model": reply.model, "choices": [], "usage": _usage(event)})
+    except RagError as exc:
+        # Headers are sent: the error goes in the stream, where the openai client raises it.
+        response = rag_error_response(request, exc)
+        yield sse(response.body.decode())
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _usage(done: AnswerDone) -> dict:
+    u = done.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "total_tokens": u.total_tokens}
+    if u.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
+    return usage
+
+
+def _hits_by_citation(answer: Answer):
+    by_key = {(h.document_key, h.chunk_index): h for h in answer.hits}
+    return [by_key[(c.document_key, c.chunk_index)] for c in answer.citations]
+
+
+def _title(hit) -> str:
+    return hit.title or hit.document_key.rsplit("/", 1)[-1]

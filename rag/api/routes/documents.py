@@ -1,0 +1,29 @@
+"""GET /v1/documents/{collection}/{chunk_id}: the text a citation points at, for its reader only.
+
+Whatever the caller may not read is a 404 with the same body as an id that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+
+from rag.api.deps import PrincipalDep, RagDep
+from rag.api.errors import ApiError
+
+router = APIRouter(prefix="/v1")
+
+_NOT_FOUND = "no such document"
+
+
+@router.get("/documents/{collection}/{chunk_id}")
+async def get_document(collection: str, chunk_id: str, rag: RagDep, principal: PrincipalDep) -> dict:
+    if not chunk_id.isdigit() or len(chunk_id) > 20:
+        raise ApiError(404, _NOT_FOUND)
+    record = await asyncio.to_thread(rag.readable_chunk, collection, int(chunk_id), principal)
+    if record is None:
+        raise ApiError(404, _NOT_FOUND)
+    return {"object": "document.chunk", "id": record.id, "collection": collection, "document": record.document_key,
+            "source": record.source, "title": record.title, "chunk": record.index, "heading": record.heading,
+            "text": record.text}

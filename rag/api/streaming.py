@@ -1,0 +1,55 @@
+"""Server-sent events and client disconnects.
+
+`until_disconnected` wraps a route's event stream so that a client who goes away stops the work
+at once (the generator's stream is closed, which aborts the engine request and frees its KV
+blocks), whether it left while queued, waiting for its first token, or mid-answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event; `data` is JSON-encoded unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+async def until_disconnected(request: Request, events: AsyncIterator[T], poll: float = 0.25) -> AsyncIterator[T]:
+    """The items of `events` until it ends or the client disconnects (then `events` is closed)."""
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        iterator = events.__aiter__()
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({step}, timeout=poll)
+                    if done:
+                        break
+                    if await request.is_disconnected():
+                        step.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                            await step
+                        return
+            except BaseException:
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                raise
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item

@@ -1,0 +1,144 @@
+"""LocalGenerator: our engine in this process, through AsyncLLMEngine (continuous batching).
+
+Every request of every user goes into one engine, which batches them step by step and shares
+cached KV blocks between requests whose prompt segments are in the same namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rag.errors import GenerationError, GeneratorUnavailable
+from rag.generator import CacheSegment, GenerationDone, GenerationEvent, GenerationRequest, TextDelta
+
+log = logging.getLogger(__name__)
+
+
+class LocalGenerator:
+    """The Generator protocol over an AsyncLLMEngine.
+
+    Args:
+        model_dir: a local model folder (see generation.loader.resolve_model_dir).
+        device: "cpu", "cuda"; None picks CUDA when available.
+        max_num_seqs: most sequences the engine runs at once (None: the engine's default).
+        num_kv_blocks: KV cache size in blocks (None: sized from free memory).
+        engine: an already running AsyncLLMEngine to use instead of loading model_dir.
+    """
+
+    def __init__(self, model_dir: Path | None = None, device: str | None = None,
+                 max_num_seqs: int | None = None, num_kv_blocks: int | None = None,
+                 engine: Any | None = None) -> None:
+        from generation.engine.async_engine import AsyncLLMEngine
+
+        if engine is None:
+            from generation.config import EngineConfig
+            from generation.engine.llm_engine import LLMEngine
+
+            assert model_dir is not None, "pass model_dir or engine"
+            overrides = {k: v for k, v in {"device": device, "max_num_seqs": max_num_seqs,
+                                            "num_kv_blocks": num_kv_blocks}.items() if v is not None}
+            if max_num_seqs is not None:
+                overrides["max_num_batched_tokens"] = max(EngineConfig.max_num_batched_tokens, max_num_seqs)
+            engine = AsyncLLMEngine(LLMEngine(model_dir, EngineConfig(**overrides)))
+        self.engine: AsyncLLMEngine = engine
+        self.tokenizer = engine.engine.tokenizer
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise GenerationError("the local generator needs a model with a tokenizer and a chat template "
+                                  "(an instruct model)")
+        self._model_name = Path(engine.engine.model_dir).name
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def is_ready(self) -> bool:
+        return self.engine.is_running
+
+    def metrics(self):
+        """The engine's counters (queues, KV blocks, prefix-cache hits, batch sizes)."""
+        return self.engine.get_metrics()
+
+    def prompt(self, request: GenerationRequest) -> tuple[list[int], list[tuple[int, str | None]]]:
+        """The prompt's token ids and its namespace regions (token offset, namespace)."""
+        text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = [int(t) for t in enc["input_ids"]]
+        regions = segment_regions(text, enc.get("offset_mapping"), request.segments, request.base_namespace,
+                                  fallback=request.user_salt)
+        return ids, regions
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        from generation.sampling_params import SamplingParams
+
+        if not self.engine.is_running:
+            raise GeneratorUnavailable("the generation engine is not running")
+        p = request.params
+        params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
+                                stop=list(p.stop), seed=p.seed)
+        ids, regions = self.prompt(request)
+        try:
+            updates = self.engine.generate_updates(ids, params, regions)
+        except GenerationError:
+            raise
+        async with contextlib.aclosing(updates) as stream:
+            try:
+                async for update in stream:
+                    if update.text_delta:
+                        yield TextDelta(update.text_delta)
+                    if update.finished:
+                        out, m = update.output, update.metrics
+                        yield GenerationDone(
+                            finish_reason=out.finish_reason if out else (update.finish_reason or "stop"),
+                            prompt_tokens=len(ids), completion_tokens=len(out.token_ids) if out else 0,
+                            time_to_first_token=m.time_to_first_token if m else None)
+                        return
+            except GenerationError as exc:
+                if not self.engine.is_running:
+                    raise GeneratorUnavailable(f"the generation engine stopped: {exc}") from exc
+                raise
+
+    async def aclose(self) -> None:
+        self.engine.shutdown()
+
+
+def segment_regions(text: str, offsets: Sequence[tuple[int, int]] | None, segments: Sequence[CacheSegment],
+                    base_namespace: str, fallback: str | None) -> list[tuple[int, str | None]]:
+    """Token-offset namespace regions for a rendered prompt.
+
+    Each segment's text is looked up in the rendered prompt after the previous one; its region
+    starts at the token holding the segment's first character, so a token that straddles the
+    boundary goes to the later segment: segments only get more private along the prompt (the
+    shared head, then sources by ACL, the user's part last), and user text never lands in a
+    shared region.
+    If a segment cannot be found, or the tokenizer gives no offsets, the whole prompt goes into
+    the most private namespace (`fallback`, else the last segment's): fail closed, share nothing.
+    """
+    if not segments:
+        return [(0, fallback if fallback is not None else base_namespace)]
+    private = fallback if fallback is not None else segments[-1].namespace
+    if not offsets:
+        return [(0, private)]
+    regions: list[tuple[int, str | None]] = [(0, base_namespace)]
+    char_pos, token = 0, 0
+    for segment in segments:
+        at = text.find(segment.text, char_pos) if segment.text else -1
+        if at < 0:
+            log.warning("prompt segment not found in the rendered prompt: caching it privately")
+            return [(0, private)]
+        while token < len(offsets) and offsets[token][1] <= at:
+            token += 1
+        if token >= len(offsets):
+            return [(0, private)]
+        if token == regions[-1][0]:
+            regions[-1] = (token, segment.namespace)
+        elif segment.namespace != regions[-1][1]:
+            regions.append((token, segment.namespace))
+        char_pos = at + len(segment.text)
+    return regions
