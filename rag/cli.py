@@ -322,3 +322,7 @@ def main() -> None:
     except KeyboardInterrupt:
         _err("interrupted")
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

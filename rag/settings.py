@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     max_concurrent_generations: int = Field(default=64, ge=1, le=4096)
     max_queued_generations: int = Field(default=256, ge=0, le=100000)
     request_timeout: float = Field(default=300.0, gt=0, description="seconds one query may take in all")
+    # GET /metrics/engine: the engine's queue, KV-block and prefix-cache counters to any valid key.
+    # Cache counters tell when other users' requests shared KV: enable only where every key holder
+    # is trusted (operators, tests).
+    expose_engine_metrics: bool = False
 
     @field_validator("collection")
     @classmethod

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from rag.api.deps import RagDep
+from rag.api.deps import PrincipalDep, RagDep
+from rag.api.errors import ApiError
 from rag.api.schemas import Health
 
 router = APIRouter()
@@ -30,3 +32,20 @@ async def readyz(rag: RagDep) -> JSONResponse:
         if not ready:
             body.update(ready=False, detail="the generator is not running or not answering")
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+
+@router.get("/metrics/engine")
+async def engine_metrics(rag: RagDep, principal: PrincipalDep) -> dict:
+    """The generator's counters, the admission queue and the micro-batchers' batch sizes (opt-in)."""
+    if not rag.settings.expose_engine_metrics:
+        raise ApiError(404, "not found")
+    generator = rag.__dict__.get("generator")
+    metrics = getattr(generator, "metrics", None)
+    out: dict = {"admission": dataclasses.asdict(rag.admission.snapshot())}
+    if metrics is not None:
+        out["engine"] = dataclasses.asdict(metrics())
+    for name in ("query_embedder", "batched_reranker"):
+        batcher = rag.__dict__.get(name)
+        if batcher is not None:
+            out[name] = dataclasses.asdict(batcher.batcher.stats)
+    return out

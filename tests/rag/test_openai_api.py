@@ -1,0 +1,349 @@
+"""`rag serve` in a subprocess, driven by the official `openai` client (and httpx for raw bodies).
+
+Real parts throughout: the sample corpus ingested with its ACLs, the packaged embedder, reranker
+and SmolLM2 on CPU in our engine, uvicorn over loopback. Engine behaviour (batching, prefix-cache
+hits, freed KV blocks) is read from the server's own counters (GET /metrics/engine, enabled for
+this test server only), never inferred from timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.rag.conftest import DEMO_USERS, LAB_DOCS, REPO, make_rag
+
+RESERVATION_Q = "Which Slurm reservation does the imaging group have on the GPU nodes?"
+START_TIMEOUT = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, url: str, keys: dict[str, str], process: subprocess.Popen, log: Path, home: Path) -> None:
+        self.url, self.keys, self.process, self.log, self.home = url, keys, process, log, home
+
+    def client(self, user: str = "bob", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.keys[user], max_retries=0, timeout=300, **kwargs)
+
+    def auth(self, user: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[user]}"}
+
+    def metrics(self) -> dict:
+        r = httpx.get(f"{self.url}/metrics/engine", headers=self.auth("bob"), timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout: float = 60.0) -> dict:
+        """Counters at rest: nothing running or waiting, no KV block referenced, no token being made."""
+        deadline, last = time.monotonic() + timeout, None
+        while True:
+            m = self.metrics()
+            e = m["engine"]
+            idle = e["num_running"] == 0 and e["num_waiting"] == 0 and e["num_kv_blocks_used"] == 0 \
+                and m["admission"]["in_flight"] == 0
+            if idle and last is not None and last["num_generated_tokens"] == e["num_generated_tokens"]:
+                return m
+            last = e if idle else None
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {m}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, model_cache) -> Service:
+    home = tmp_path_factory.mktemp("serve-home")
+    corpus = tmp_path_factory.mktemp("serve-corpus")
+    shutil.copytree(LAB_DOCS, corpus / "lab-docs")
+    shutil.copytree(LAB_DOCS / "imaging", corpus / "imaging-only")
+    rag = make_rag(home, model_cache)
+    assert rag.ingest([corpus / "lab-docs"]).ok
+    assert rag.ingest([corpus / "imaging-only"], collection="imaging-notes").ok
+    for user, groups in DEMO_USERS.items():
+        rag.identity.add_user(user, groups)
+    keys = {"bob": rag.identity.create_key("bob", ["imaging"]),
+            "bob2": rag.identity.create_key("erin", ["imaging"]),
+            "dave": rag.identity.create_key("dave", [])}
+    revoked = rag.identity.create_key("dave", [], label="to revoke")
+    rag.identity.revoke_key(next(k.key_id for k in rag.identity.list_keys() if k.label == "to revoke"))
+    keys["revoked"] = revoked
+    rag.close()
+    port = _free_port()
+    env = {**os.environ, "RAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1", "RAG_DEVICE": "cpu", "RAG_MAX_NEW_TOKENS": "16",
+           "RAG_EXPOSE_ENGINE_METRICS": "true", "RAG_ENGINE_NUM_KV_BLOCKS": "640",
+           "RAG_ENGINE_MAX_NUM_SEQS": "4", "RAG_MAX_CONCURRENT_GENERATIONS": "2",
+           "RAG_MAX_QUEUED_GENERATIONS": "2", "RAG_TOP_K": "3"}
+    log = home / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "rag.cli", "serve", "--port", str(port)], cwd=REPO,
+                                   env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        assert process.poll() is None, f"rag serve exited:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"rag serve not ready:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    yield Service(url, keys, process, log, home)
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def _ask(client: openai.OpenAI, question: str, model: str = "default", **kwargs):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], **kwargs)
+
+
+def test_models_are_the_collections_the_key_may_read(service):
+    assert sorted(m.id for m in service.client("bob").models.list()) == ["default", "imaging-notes"]
+    assert [m.id for m in service.client("dave").models.list()] == ["default"]
+
+
+def test_chat_answers_with_citations_in_the_standard_places(service):
+    r = _ask(service.client("bob"), RESERVATION_Q)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 100 and 0 < r.usage.completion_tokens <= 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    annotations = choice.message.annotations
+    citations = r.model_extra["citations"]
+    assert annotations and len(annotations) == len(citations)
+    assert any("gpu-reservation" in c["source"] for c in citations)
+    for a, c in zip(annotations, citations, strict=True):
+        assert a.type == "url_citation" and a.url_citation.url == c["url"]
+        assert a.url_citation.title and a.model_dump()["url_citation"]["text"] == c["text"]
+        # The URL opens for this key and gives the cited text.
+        doc = httpx.get(c["url"], headers=service.auth("bob"), timeout=30)
+        assert doc.status_code == 200 and doc.json()["text"] == c["text"]
+    # Every [n] left in the answer points at a source.
+    for n in re.findall(r"\[(\d+)\]", choice.message.content):
+        assert 1 <= int(n) <= len(citations)
+
+
+def test_streaming_chat(service):
+    stream = _ask(service.client("bob"), RESERVATION_Q, stream=True, stream_options={"include_usage": True})
+    text, annotations, finish, usage, roles = "", [], None, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        roles += [delta.role] if delta.role else []
+        text += delta.content or ""
+        annotations += (delta.model_extra or {}).get("annotations") or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert roles == ["assistant"] and text.strip() and finish in ("stop", "length")
+    assert annotations and all(a["type"] == "url_citation" for a in annotations)
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_a_user_without_the_group_gets_no_restricted_citation_answer_or_document(service):
+    bob = _ask(service.client("bob"), RESERVATION_Q).model_extra["citations"]
+    restricted = [c for c in bob if "/imaging/" in c["source"]]
+    assert restricted, "bob should be cited the imaging document"
+    dave = _ask(service.client("dave"), RESERVATION_Q)
+    cited = dave.model_extra["citations"]
+    assert all("/public/" in c["source"] for c in cited)
+    shown = json.dumps(dave.model_dump())
+    assert "cryoem-res" not in shown and "gpu-reservation" not in shown
+    # Dave cannot open bob's citation, and cannot tell it from an id that does not exist.
+    denied = httpx.get(restricted[0]["url"], headers=service.auth("dave"), timeout=30)
+    missing = httpx.get(f"{service.url}/v1/documents/default/987654321", headers=service.auth("dave"), timeout=30)
+    no_collection = httpx.get(f"{service.url}/v1/documents/imaging-notes/1", headers=service.auth("dave"), timeout=30)
+    assert denied.status_code == missing.status_code == no_collection.status_code == 404
+    assert denied.json() == missing.json() == no_collection.json()
+    # A collection dave may not read is a model that does not exist, as for a made-up name.
+    with pytest.raises(openai.NotFoundError) as hidden:
+        _ask(service.client("dave"), RESERVATION_Q, model="imaging-notes")
+    with pytest.raises(openai.NotFoundError) as made_up:
+        _ask(service.client("dave"), RESERVATION_Q, model="imaging-notez")
+    assert hidden.value.body["message"].replace("imaging-notes", "X") == \
+        made_up.value.body["message"].replace("imaging-notez", "X")
+
+
+def test_follow_up_question_is_retrieved_with_the_conversation(service):
+    messages = [
+        {"role": "user", "content": RESERVATION_Q},
+        {"role": "assistant", "content": "The imaging group has the cryoem-res reservation [1]."},
+        {"role": "user", "content": "How do I use it in my job script?"},
+    ]
+    r = service.client("bob").chat.completions.create(model="default", messages=messages)
+    assert any("gpu-reservation" in c["source"] for c in r.model_extra["citations"])
+
+
+def test_concurrent_streams_run_in_one_engine_batch(service):
+    service.wait_idle()
+    client = service.client("bob")
+    first_tokens: list[float] = []
+    finished: list[float] = []
+
+    def run(question: str) -> None:
+        stream = _ask(client, question, stream=True, max_tokens=48)
+        got = False
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not got:
+                first_tokens.append(time.monotonic())
+                got = True
+        finished.append(time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in
+               (RESERVATION_Q, "Which GPU nodes can I use?")]
+    for t in threads:
+        t.start()
+    running = 0
+    while any(t.is_alive() for t in threads):
+        running = max(running, service.metrics()["engine"]["num_running"])
+        time.sleep(0.05)
+    assert len(first_tokens) == 2
+    # Both were producing tokens before either finished, and the engine ran them in one batch.
+    assert max(first_tokens) < min(finished)
+    assert service.metrics()["engine"]["max_num_running"] >= 2 and running == 2
+
+
+def test_sources_kv_is_shared_across_users_and_the_question_is_not(service):
+    service.wait_idle()
+    question = "What does the imaging reservation cover?"
+
+    def hits_of(user: str) -> tuple[int, int]:
+        before = service.metrics()["engine"]["prefix_cache_hit_tokens"]
+        r = _ask(service.client(user), question, max_tokens=4)
+        service.wait_idle()
+        return service.metrics()["engine"]["prefix_cache_hit_tokens"] - before, r.usage.prompt_tokens
+
+    _, prompt_tokens = hits_of("bob")       # warm the cache with bob's request
+    other_user, _ = hits_of("bob2")         # same groups, same sources, another user
+    same_user, _ = hits_of("bob")           # bob again: his own question blocks are his
+    block = 16
+    # The other user shares the system prompt and the sources (most of the prompt)...
+    assert other_user >= prompt_tokens // 2
+    # ...but not the question and what follows it, which the same user does share.
+    assert other_user <= prompt_tokens - 8
+    assert same_user > other_user and same_user >= (prompt_tokens - 1) // block * block
+
+
+def test_burst_past_the_queue_gets_429_with_retry_after(service):
+    service.wait_idle()
+    results: list[object] = []
+
+    def one() -> None:
+        try:
+            results.append(_ask(service.client("bob"), RESERVATION_Q, max_tokens=12))
+        except openai.RateLimitError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    answered = [r for r in results if not isinstance(r, openai.RateLimitError)]
+    assert refused and answered and len(refused) + len(answered) == 8
+    assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
+    assert refused[0].body["type"] == "rate_limit_error"
+    service.wait_idle()
+    assert _ask(service.client("bob"), RESERVATION_Q, max_tokens=4).choices[0].message.content is not None
+
+
+def test_a_client_that_disconnects_frees_its_kv_blocks(service):
+    before = service.wait_idle()["engine"]["num_generated_tokens"]
+    with httpx.stream("POST", f"{service.url}/v1/chat/completions", headers=service.auth("bob"), timeout=120,
+                      json={"model": "default", "stream": True, "max_tokens": 400,
+                            "messages": [{"role": "user", "content": RESERVATION_Q}]}) as r:
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data: ")
+            if lines >= 3:
+                break  # leave mid-answer
+    after = service.wait_idle()["engine"]
+    assert after["num_kv_blocks_used"] == 0 and after["num_running"] == 0
+    assert after["num_generated_tokens"] - before < 400  # aborted, not run to its end
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{not json", 400),
+    (b"\xff\xfe\x00garbage", 400),
+    (b"[1, 2]", 400),
+    (json.dumps({"model": "default", "messages": "hi"}).encode(), 400),
+    (json.dumps({"model": "default", "messages": []}).encode(), 400),
+    (json.dumps({"model": "default", "messages": [{"role": "user", "content": ""}]}).encode(), 400),
+    (json.dumps({"model": "default", "messages": [{"role": "user", "content": "x" * 20000}]}).encode(), 400),
+    (json.dumps({"model": "default", "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400),
+    (json.dumps({"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode(), 400),
+    (json.dumps({"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                 "max_tokens": 10**6}).encode(), 400),
+    (json.dumps({"model": "default", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(),
+     400),
+    (json.dumps({"model": "default", "messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 400),
+    (json.dumps({"model": "no-such-collection", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
+])
+def test_bad_input_is_a_clear_openai_error_and_the_server_goes_on(service, body, status):
+    r = httpx.post(f"{service.url}/v1/chat/completions", content=body, timeout=60,
+                   headers={**service.auth("dave"), "content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and "Traceback" not in r.text
+    assert httpx.get(f"{service.url}/readyz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("user", ["revoked", "garbage"])
+def test_revoked_or_unknown_key_is_401(service, user):
+    key = {"revoked": service.keys["revoked"], "garbage": "rag_nope_nope"}[user]
+    client = openai.OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        client.models.list()
+    assert err.value.body["type"] == "authentication_error" and "default" not in json.dumps(err.value.body)
+    with pytest.raises(openai.AuthenticationError):
+        _ask(client, RESERVATION_Q)
+
+
+@pytest.mark.parametrize("path, method", [("/v1/models", "GET"), ("/v1/chat/completions", "POST"),
+                                          ("/v1/documents/default/1", "GET"), ("/metrics/engine", "GET")])
+def test_no_key_is_401_before_anything_else(service, path, method):
+    r = httpx.request(method, f"{service.url}{path}", json={"model": "default", "messages": []}, timeout=30)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert "default" not in r.text
+
+
+def test_query_streams_citations_then_text_then_timings(service):
+    events = []
+    with httpx.stream("POST", f"{service.url}/v1/query", headers=service.auth("bob"), timeout=120,
+                      json={"question": RESERVATION_Q, "k": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "citations" and kinds[-1] == "done" and "delta" in kinds
+    assert set(kinds) == {"citations", "delta", "done"}
+    done = events[-1]
+    assert done["answer"] == "".join(e["text"] for e in events if e["type"] == "delta").strip() or done["answer"]
+    timings = done["timings_ms"]
+    assert {"queue", "generate", "ttft", "total"} <= set(timings) and timings["queue"] < timings["total"]
+    assert done["usage"]["completion_tokens"] > 0
+    assert any("gpu-reservation" in c["source"] for c in events[0]["citations"])
