@@ -87,6 +87,12 @@ def rag_error_response(request: Request, exc: RagError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"}
     elif status == 429:
         headers = {"Retry-After": str(int(getattr(exc, "retry_after", 1)))}
+    if status in (502, 503):
+        # What failed inside (a CUDA error, a remote server's URL) is for the log, not the client.
+        log.error("generator failure: %s", exc)
+        message = ("the answer generator is unavailable; try again later" if status == 503
+                   else "the answer generator refused the request")
+        return error_response(request, status, message, headers={"Retry-After": "5"} if status == 503 else None)
     if status == 500:
         # Internal errors may carry details: log them, answer with a generic message.
         log.error("internal error: %s", exc, exc_info=exc)
