@@ -28,3 +28,24 @@ ask "Which GPU nodes can I use?" dave
 ask "Which GPU nodes can I use?" bob
 ask "What temperature is the -80 freezer alarm set to?" alice
 ask "What temperature is the -80 freezer alarm set to?" bob
+
+echo
+echo "== the same service over HTTP: rag serve + the official openai client (streaming, citations)"
+port=${RAG_DEMO_PORT:-8765}
+bob_key=$($rag keys create --user bob --group imaging --label demo)
+dave_key=$($rag keys create --user dave --label demo)
+$rag serve --port "$port" > "$RAG_HOME/serve.log" 2>&1 &
+serve_pid=$!
+trap 'kill $serve_pid 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do
+  curl -sf "http://127.0.0.1:$port/readyz" > /dev/null 2>&1 && break
+  kill -0 $serve_pid 2>/dev/null || { echo "rag serve failed:"; tail -20 "$RAG_HOME/serve.log"; exit 1; }
+  sleep 0.5
+done
+for who in bob dave; do
+  key=bob_key; [ "$who" = dave ] && key=dave_key
+  echo
+  echo "== \"Which GPU nodes can I use?\" asked by $who through /v1/chat/completions"
+  .venv/bin/python examples/clients/openai_chat.py --url "http://127.0.0.1:$port/v1" --key "${!key}" \
+    "Which GPU nodes can I use?"
+done
