@@ -34,7 +34,7 @@ echo "== the same service over HTTP: rag serve + the official openai client (str
 port=${RAG_DEMO_PORT:-8765}
 bob_key=$($rag keys create --user bob --group imaging --label demo)
 dave_key=$($rag keys create --user dave --label demo)
-$rag serve --port "$port" > "$RAG_HOME/serve.log" 2>&1 &
+RAG_TOP_K=3 $rag serve --port "$port" > "$RAG_HOME/serve.log" 2>&1 &  # 3 sources, as the queries above
 serve_pid=$!
 trap 'kill $serve_pid 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do
