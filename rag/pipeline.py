@@ -196,18 +196,20 @@ class Rag:
 
     def readable_collections(self, principal: Principal) -> list[str]:
         """Collections in which `principal` may read at least one chunk (others stay unnamed)."""
+        return [name for name in self.collection_names() if self.can_read_collection(name, principal)]
+
+    def can_read_collection(self, name: str, principal: Principal) -> bool:
+        """Whether the collection exists and `principal` may read something in it (one answer for both)."""
         from permissions.policy import store_filter
 
-        tokens = sorted(store_filter(principal))
-        names = []
-        for name in self.collection_names():
+        try:
             index = self.index(name)
-            index.refresh()
-            # An exact search with a zero query returns any readable chunk, and nothing else:
-            # the ACL filter runs inside it as for every query.
-            if index.search(_zero_query(index.info.dim), 1, tokens, exact=True):
-                names.append(name)
-        return names
+        except (NotFoundError, ConfigError):
+            return False
+        index.refresh()
+        # An exact search with a zero query returns any readable chunk, and nothing else: the ACL
+        # filter runs inside it as for every query.
+        return bool(index.search(_zero_query(index.info.dim), 1, sorted(store_filter(principal)), exact=True))
 
     def readable_chunk(self, collection: str, chunk_id: int, principal: Principal):
         """The chunk record if it exists and `principal` may read it, else None (never says which)."""

@@ -268,3 +268,18 @@ def test_query_streams_citations_then_text_then_timings(service):
     assert {"queue", "generate", "ttft", "total"} <= set(timings) and timings["queue"] < timings["total"]
     assert done["usage"]["completion_tokens"] > 0
     assert any("gpu-reservation" in c["source"] for c in events[0]["citations"])
+
+
+def test_query_api_hides_collections_the_key_cannot_read(service):
+    def query(collection: str) -> httpx.Response:
+        return httpx.post(f"{service.url}/v1/query", headers=service.auth("dave"), timeout=60,
+                          json={"question": RESERVATION_Q, "collection": collection, "generate": False})
+
+    hidden, missing = query("imaging-notes"), query("imaging-notez")
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json()["error"].replace("imaging-notes", "X") == missing.json()["error"].replace("imaging-notez", "X")
+    assert "default" not in missing.text  # the store's message listing every collection stays inside
+    assert query("default").status_code == 200
+    bob = httpx.post(f"{service.url}/v1/query", headers=service.auth("bob"), timeout=60,
+                     json={"question": RESERVATION_Q, "collection": "imaging-notes", "generate": False})
+    assert bob.status_code == 200 and bob.json()["citations"]

@@ -44,8 +44,7 @@ async def list_models(rag: RagDep, principal: PrincipalDep) -> dict:
 async def chat_completions(request: Request, rag: RagDep, principal: PrincipalDep):
     body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     conversation = parse_conversation([m.model_dump() for m in body.messages])
-    readable = await asyncio.to_thread(rag.readable_collections, principal)
-    if body.model not in readable:
+    if not await asyncio.to_thread(rag.can_read_collection, body.model, principal):
         # The same answer for a collection that does not exist and one this key cannot read.
         raise ApiError(404, f"the model {body.model!r} does not exist", param="model", code="model_not_found")
     deadline = time.monotonic() + rag.settings.request_timeout

@@ -14,7 +14,7 @@ from rag.api.deps import PrincipalDep, RagDep
 from rag.api.errors import rag_error_response
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
 from rag.api.streaming import SSE_HEADERS, sse, until_disconnected
-from rag.errors import DeadlineExceeded, RagError
+from rag.errors import DeadlineExceeded, NotFoundError, RagError
 from rag.generator import TextDelta
 from rag.types import Answer
 
@@ -41,6 +41,11 @@ async def prepare_with_deadline(rag, deadline: float, **kwargs):
 @router.post("/query", response_model=QueryResponse)
 async def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep, request: Request):
     deadline = time.monotonic() + rag.settings.request_timeout
+    if body.collection is not None and body.collection != rag.settings.collection:
+        # A collection the key can read nothing in answers like one that does not exist (and the
+        # store's own message, which lists every collection, never reaches the client).
+        if not await asyncio.to_thread(rag.can_read_collection, body.collection, principal):
+            raise NotFoundError(f"unknown collection {body.collection!r}")
     prepared = await prepare_with_deadline(rag, deadline, question=body.question, principal=principal,
                                            collection=body.collection, k=body.k, generate=body.generate,
                                            mode=body.mode)
