@@ -283,3 +283,14 @@ def test_query_api_hides_collections_the_key_cannot_read(service):
     bob = httpx.post(f"{service.url}/v1/query", headers=service.auth("bob"), timeout=60,
                      json={"question": RESERVATION_Q, "collection": "imaging-notes", "generate": False})
     assert bob.status_code == 200 and bob.json()["citations"]
+
+
+def test_sampling_fields_are_honoured_and_unknown_fields_ignored(service):
+    client = service.client("bob")
+    short = _ask(client, RESERVATION_Q, max_tokens=3)
+    assert short.usage.completion_tokens <= 3 and short.choices[0].finish_reason in ("length", "stop")
+    stopped = _ask(client, RESERVATION_Q, stop=[" "], temperature=0.0, top_p=0.9, seed=7, n=1, user="bob@lab",
+                   extra_body={"logit_bias": {}, "some_future_field": {"x": 1}, "reasoning_effort": "low"})
+    assert " " not in stopped.choices[0].message.content.strip()
+    again = _ask(client, RESERVATION_Q, stop=[" "], temperature=0.0, seed=7)
+    assert again.choices[0].message.content == stopped.choices[0].message.content
