@@ -272,12 +272,14 @@ class Scheduler:
     def _plan_steps(self, entries: list[ScheduledEntry]) -> int:
         """Steps to run the batch for, reserving the blocks that the steps after the first write.
 
-        Only when every entry samples (a chunk that stops inside its prompt has nothing to
-        decode), and only as many steps as the longest-lived sequence can use. If the pool cannot
-        hold every lookahead, the batch runs one step: no preemption for the sake of lookahead.
+        Only when every entry is a decode: a chunk that stops inside its prompt has nothing to
+        decode, and a prompt that completes must hand its first token to its client now, not
+        after the lookahead steps (that wait would be all of a served request's extra time to
+        first token). Only as many steps as the longest-lived sequence can use. If the pool
+        cannot hold every lookahead, the batch runs one step: no preemption for lookahead.
         """
         max_steps = self.config.num_scheduler_steps
-        if max_steps == 1 or not entries or not all(e.samples for e in entries):
+        if max_steps == 1 or not entries or not all(e.is_decode for e in entries):
             return 1
         manager = self.block_manager
         # Step 1 samples token num_tokens; step j feeds token num_tokens + j - 2, whose KV needs a slot.

@@ -400,29 +400,35 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
     assert (num_multi_step > 0) == (steps > 1)
 
 
-def test_a_batch_where_every_entry_samples_runs_several_steps_with_blocks_reserved() -> None:
+def test_a_batch_of_decodes_runs_several_steps_with_blocks_reserved() -> None:
     sched, runner = make(num_scheduler_steps=4, max_model_len=64)
     a = SeqState(range(1, 7), max_tokens=50, arrival_time=0)  # 6 tokens: the prompt fits one step
     sched.add(a)
     batch, _ = step(sched, runner)
-    # The prefill step samples token 7, three decode steps follow: KV up to position 8, 9 tokens held.
-    assert batch.num_steps == 4 and a.num_tokens == 10 and a.num_computed_tokens == 9
-    assert len(a.block_table) == 3  # blocks for 9 tokens, no more
-    assert a.output_token_ids == reference_output(list(range(1, 7)), None, 50, 64)[:4]
+    # A completing prompt runs one step: its first token goes out at once.
+    assert batch.num_steps == 1 and a.num_tokens == 7 and a.num_computed_tokens == 6
+    batch, _ = step(sched, runner)
+    # Decodes only: four steps, KV up to position 9 computed, 11 tokens held.
+    assert batch.num_steps == 4 and a.num_tokens == 11 and a.num_computed_tokens == 10
+    assert len(a.block_table) == 3  # blocks for 10 tokens, no more
+    assert a.output_token_ids == reference_output(list(range(1, 7)), None, 50, 64)[:5]
     b = SeqState(range(20, 31), max_tokens=2, arrival_time=1)
     sched.add(b)
     batch, _ = step(sched, runner)
-    assert shape(batch) == [(a.seq_id, 1, 9, True), (b.seq_id, 11, 0, True)] and batch.num_steps == 4
-    assert b.status is SeqStatus.FINISHED and b.num_output_tokens == 2  # steps past its end discarded
-    assert a.num_output_tokens == 8
+    assert shape(batch) == [(a.seq_id, 1, 10, True), (b.seq_id, 11, 0, True)] and batch.num_steps == 1
+    batch, _ = step(sched, runner)
+    assert batch.num_steps == 4  # as many as a can use; b's steps past its end are discarded
+    assert b.status is SeqStatus.FINISHED and b.num_output_tokens == 2
+    assert a.num_output_tokens == 10
 
 
 def test_lookahead_is_capped_by_what_any_sequence_can_use() -> None:
     sched, runner = make(num_scheduler_steps=8)
     short = SeqState([1, 2, 3], max_tokens=3)
     sched.add(short)
+    assert step(sched, runner)[0].num_steps == 1  # the prompt
     batch, _ = step(sched, runner)
-    assert batch.num_steps == 3 and short.status is SeqStatus.FINISHED
+    assert batch.num_steps == 2 and short.status is SeqStatus.FINISHED
     assert sched.block_manager.num_used_blocks == 0
 
 
@@ -434,10 +440,11 @@ def test_a_prompt_chunk_or_a_short_pool_runs_one_step() -> None:
     sched.add(SeqState(range(1, 21), max_tokens=50, arrival_time=1))
     batch, _ = step(sched, runner)  # a decodes, b's first chunk stops inside its prompt
     assert batch.num_steps == 1
-    # 2 blocks of 4: a holds both after its first batch (2 + 4 tokens); a lookahead needs a third.
+    # 2 blocks of 4: after its prompt step c holds 3 tokens; 4 steps need slots up to token 6.
     sched, runner = make(num_blocks=2, num_scheduler_steps=4)
     c = SeqState([1, 2], max_tokens=50)
     sched.add(c)
+    assert step(sched, runner)[0].num_steps == 1
     assert step(sched, runner)[0].num_steps == 4
     assert step(sched, runner)[0].num_steps == 1  # the pool has no block for the lookahead
 
