@@ -20,6 +20,7 @@ from pathlib import Path
 
 from permissions.models import Principal, check_name
 from rag.errors import AuthenticationError, NotFoundError
+from rag.sqlite_threads import ThreadConnections
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS users (
@@ -60,13 +61,22 @@ class IdentityStore:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(path, timeout=30.0, isolation_level=None,
-                                    check_same_thread=False)
-        self.conn.execute("PRAGMA journal_mode=WAL")
+
+        def open_connection() -> sqlite3.Connection:
+            conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            return conn
+
+        # One connection per thread: the API authenticates from many worker threads at once.
+        self._conns = ThreadConnections(open_connection)
         self.conn.executescript(SCHEMA)
 
+    @property
+    def conn(self) -> sqlite3.Connection:
+        return self._conns.get()
+
     def close(self) -> None:
-        self.conn.close()
+        self._conns.close()
 
     # -- users -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rag.errors import NotFoundError, StoreError
+from rag.sqlite_threads import ThreadConnections
 from rag.types import Chunk, Document
 from retrieval.keyword import bm25_over_readable, fts5_match, query_terms
 
@@ -146,6 +147,8 @@ class ChunkRecord:
 def connect(path: Path) -> sqlite3.Connection:
     """Open the catalog database with the pragmas every user of it needs."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # check_same_thread=False only so that close() may run on another thread; each connection is
+    # used by the one thread that opened it (ThreadConnections).
     conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA foreign_keys=ON")
@@ -158,16 +161,22 @@ class Catalog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # One connection per thread: the query service reads the catalog from many at once.
+        self._conns = ThreadConnections(lambda: connect(path))
         try:
-            self.conn = connect(path)
             self.conn.executescript(SCHEMA)
             self._ensure_generation_column()
             self._ensure_keyword_index()
         except sqlite3.DatabaseError as e:
             raise StoreError(f"cannot open catalog {path}: {e}; is it a RAG data directory?") from e
 
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection to the catalog."""
+        return self._conns.get()
+
     def close(self) -> None:
-        self.conn.close()
+        self._conns.close()
 
     # -- collections -------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
         rag = Rag(settings)
 
         def load() -> None:
-            rag.embedder  # noqa: B018 - load models before taking traffic
+            if settings.mode != "keyword":  # keyword-only retrieval never embeds a query
+                rag.embedder  # noqa: B018 - load models before taking traffic
             if settings.rerank:
                 rag.reranker  # noqa: B018
             rag.generator  # noqa: B018
