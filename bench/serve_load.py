@@ -19,9 +19,7 @@ question names 5 tags (chunks drawn by Zipf popularity), so keyword retrieval re
 
 Users start staggered over one lone answer's latency (--no-stagger: together; with fixed output
 lengths they then stay in lockstep); after the sweep the main server also runs 8 users started
-together and a few non-streaming answers for its own timings. The servers run with one SQLite
-connection per thread, a workaround for the shared connection that fails under concurrency
-(--no-sqlite-fix: the service as shipped; see bench/serve_load_server.py). On the GPU machine,
+together and a few non-streaming answers for its own timings. On the GPU machine,
 which has no fastapi/uvicorn/pydantic, install wheels carried in bench/wheels/ (docs/benchmarks.md).
 
     PYTHONPATH=. python bench/serve_load.py [--concurrency 1,8,32,64] [--output-tokens 128]
@@ -229,15 +227,14 @@ def prompt_ids_for(home: Path, folder: Path, keys: list[str], items: list[Item])
 class Server:
     """bench/serve_load_server.py in a subprocess, its log in the data directory."""
 
-    def __init__(self, home: Path, port: int, env: dict[str, str], label: str, sqlite_per_thread: bool) -> None:
+    def __init__(self, home: Path, port: int, env: dict[str, str], label: str) -> None:
         self.base = f"http://127.0.0.1:{port}"
         self.log_path = home / f"server-{label}.log"
         full_env = {**os.environ, **env, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "bench" / "serve_load_server.py"), "--home", str(home), "--port", str(port),
-             *(["--sqlite-per-thread"] if sqlite_per_thread else [])],
+            [sys.executable, str(REPO / "bench" / "serve_load_server.py"), "--home", str(home), "--port", str(port)],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log_tail(self, n: int = 40) -> str:
@@ -451,7 +448,7 @@ async def serve_phase(label: str, home: Path, port: int, env: dict[str, str], ke
     """
     import httpx
 
-    server = Server(home, port, env, label, args.sqlite_per_thread)
+    server = Server(home, port, env, label)
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     out: dict = {"label": label, "levels": {}}
     try:
@@ -652,9 +649,6 @@ def main() -> None:
     ap.add_argument("--phases", default="server,serialized,offline")
     ap.add_argument("--no-stagger", dest="stagger", action="store_false",
                     help="start each level's users together (they then stay in lockstep)")
-    ap.add_argument("--no-sqlite-fix", dest="sqlite_per_thread", action="store_false",
-                    help="run the service as shipped: one SQLite connection shared by all threads "
-                         "(fails under concurrency, see bench/serve_load_server.py)")
     ap.add_argument("--folder", default=None, help="model folder to reuse (made when empty)")
     ap.add_argument("--home", default=None, help="data directory (default: a temporary one)")
     ap.add_argument("--port", type=int, default=8311)
@@ -706,7 +700,7 @@ def main() -> None:
                     "model": what, "weight_bytes": weight_bytes, "concurrency": concs,
                     "output_tokens": args.output_tokens, "source_tokens": args.source_tokens, "chunks": args.chunks,
                     "zipf": args.zipf, "prompt_tokens_mean": statistics.fmean(lengths),
-                    "sqlite_per_thread_workaround": args.sqlite_per_thread, "stagger": args.stagger,
+                    "stagger": args.stagger,
                     "command": " ".join(sys.argv)}
 
     def save() -> None:
@@ -765,9 +759,6 @@ def main() -> None:
           f"to the {args.serialized_requests}th answer (8 at 1 user)")
     stagger = result.get("server", {}).get("warmup", {}).get("stagger_s")
     print(f"users start staggered over {stagger:.2f} s (one lone answer)" if stagger else "users start together")
-    if args.sqlite_per_thread:
-        print("WORKAROUND: the servers ran with one SQLite connection per thread (--no-sqlite-fix for the service "
-              "as shipped, whose shared connection fails under concurrent requests)")
     timings = result.get("server", {}).get("timings_ms")
     if timings:
         print("one user, non-streaming, server timings (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
