@@ -27,6 +27,7 @@ from rag.errors import (
     PermissionDenied,
     RagError,
 )
+from rag.openai_wire import ApiError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +42,6 @@ _STATUS = [
     (DeadlineExceeded, 504),
     (GenerationError, 502),
 ]
-
-_OPENAI_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-    429: "rate_limit_error", 502: "server_error", 503: "service_unavailable", 504: "timeout",
-}
-
-
-class ApiError(Exception):
-    """An HTTP error raised by a route with its own status, message and OpenAI `param`/`code`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
 
 def status_for(error: RagError) -> int:
     for kind, status in _STATUS:
@@ -73,8 +59,7 @@ def error_response(request: Request, status: int, message: str, param: str | Non
     if is_openai_path(request.url.path):
         # The OpenAI routes take invalid input as 400 (the client's BadRequestError), not 422.
         status = 400 if status == 422 else status
-        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
-                          "param": param, "code": code}}
+        body = error_body(status, message, param, code)
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rag.api.errors import ApiError
+from rag.openai_wire import Body, parse_json_body
 
 MAX_BODY_BYTES = 2_000_000
 MAX_TOKENS_LIMIT = 8192
@@ -51,23 +50,6 @@ class ChatCompletionRequest(BaseModel):
         return stops
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Validate a raw request body, with OpenAI-style 400s for every way it can be wrong."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body is not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param or None) from None
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """Validate a raw request body, with OpenAI-style 4xx for every way it can be wrong."""
+    return parse_json_body(raw, model, MAX_BODY_BYTES)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -16,15 +15,16 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from generation.engine.async_engine import AsyncLLMEngine
 from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
-from rag.engine_server.errors import ApiError, error_body, from_validation, install_error_handlers
+from rag.engine_server.errors import ApiError, error_body, install_error_handlers
 from rag.engine_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from rag.engine_server.streaming import DONE, ClientDisconnected, EventStream, sse, unless_disconnected
 from rag.errors import GenerationError
+from rag.openai_wire import parse_json_body
 
 logger = logging.getLogger(__name__)
 
@@ -82,24 +82,7 @@ class _Server:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ApiError(400, "the request body is not valid UTF-8") from None
-        except json.JSONDecodeError as e:
-            where = f"line {e.lineno}, column {e.colno}"
-            raise ApiError(400, f"the request body is not valid JSON: {e.msg} ({where})") from None
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        try:
-            return schema.model_validate(data)
-        except ValidationError as e:
-            raise from_validation(e) from None
+        return parse_json_body(await request.body(), schema, self.max_body_bytes)
 
     # --- prompts ----------------------------------------------------------------------------------
 

@@ -7,29 +7,11 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rag.openai_wire import ApiError, error_body, validation_error
+
 logger = logging.getLogger(__name__)
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
-
-
-class ApiError(Exception):
-    """An error answered to the client as is (the message must not leak internals or secrets)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
-
 
 def error_response(error: ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
@@ -37,16 +19,6 @@ def error_response(error: ApiError) -> JSONResponse:
                         status_code=error.status, headers=headers)
 
 
-def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:
-    """One 400 naming every bad field (`messages.0.role: Input should be ...`)."""
-    errors = exc.errors()
-    parts = []
-    for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    first = errors[0].get("loc", ()) if errors else ()
-    param = next((str(p) for p in first if p != "body"), None)
-    return ApiError(400, "invalid request: " + "; ".join(parts), param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -58,7 +30,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(from_validation(exc))
+        return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
