@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+
+from rag.api.streaming import EventStream  # noqa: F401 - the SSE response both servers use
 
 T = TypeVar("T")
 
@@ -20,40 +20,6 @@ DONE = "data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> str:
     """One `data: {...}` event (compact JSON, as OpenAI sends it)."""
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-class EventStream(StreamingResponse):
-    """An SSE response whose body generator is always closed, so its engine request is aborted.
-
-    Starlette cancels the sending task when the client disconnects; if that happens while the task
-    waits in `send`, the body generator stays suspended at a `yield` and would hold its engine
-    request (and KV blocks) until the garbage collector finalises it. Closing it here frees them now.
-    It also listens for the disconnect itself, whatever ASGI spec version the server reports.
-    """
-
-    def __init__(self, events: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the connection is gone; the finally below aborts the generation
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
 
 class ClientDisconnected(Exception):

@@ -15,14 +15,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from rag.answering import Admitted, AnswerDone
 from rag.api.deps import PrincipalDep, RagDep
 from rag.api.errors import ApiError, rag_error_response
 from rag.api.openai_schemas import ChatCompletionRequest, parse_body
 from rag.api.routes.query import prepare_with_deadline
-from rag.api.streaming import SSE_HEADERS, sse, until_disconnected
+from rag.api.streaming import EventStream, sse, until_disconnected
 from rag.citations import marker_spans
 from rag.conversation import parse_conversation
 from rag.errors import RagError
@@ -70,8 +70,7 @@ async def chat_completions(request: Request, rag: RagDep, principal: PrincipalDe
         return JSONResponse(reply.completion(done))
     first = await anext(events, None)  # a generation slot first: a full queue is a real 429
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_chunks(request, reply, first, events, include_usage),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStream(_chunks(request, reply, first, events, include_usage))
 
 
 def _document_url(request: Request, collection: str):

@@ -7,13 +7,12 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from rag.answering import Admitted, AnswerDone
 from rag.api.deps import PrincipalDep, RagDep
 from rag.api.errors import rag_error_response
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
-from rag.api.streaming import SSE_HEADERS, sse, until_disconnected
+from rag.api.streaming import EventStream, sse, until_disconnected
 from rag.errors import DeadlineExceeded, NotFoundError, RagError
 from rag.generator import TextDelta
 from rag.types import Answer
@@ -61,8 +60,7 @@ async def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep, reques
                              usage=_usage(done))
     # Wait for a generation slot before the headers go out: a full queue is a real 429.
     first = await anext(events, None)
-    return StreamingResponse(_sse_body(request, prepared.answer, principal.user, first, events),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStream(_sse_body(request, prepared.answer, principal.user, first, events))
 
 
 async def _sse_body(request: Request, answer: Answer, user: str, first, events: AsyncIterator) -> AsyncIterator[str]:
