@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 
 import pytest
@@ -57,6 +58,25 @@ def test_user_directory(ids):
     with pytest.raises(NotFoundError, match="unknown user 'zed-nobody'"):
         ids.principal_for("zed-nobody")
     assert ids.principal_for("root").user == "root"  # system users are known
+
+
+def test_system_users_get_their_posix_groups(ids):
+    """An unregistered system user's groups are what `id -Gn` says (primary and supplementary)."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if shutil.which("id") is None:
+        pytest.skip("no `id` command to compare with")
+    checked = 0
+    for entry in pwd.getpwall()[:200]:
+        out = subprocess.run(["id", "-Gn", entry.pw_name], capture_output=True, text=True)
+        if out.returncode != 0 or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", entry.pw_name):
+            continue
+        expected = set(out.stdout.split())
+        assert ids.principal_for(entry.pw_name).groups == expected, entry.pw_name
+        checked += 1
+    assert checked >= 1
 
 
 def test_names_and_acl_entries_are_checked():

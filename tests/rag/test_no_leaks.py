@@ -1,8 +1,9 @@
 """Randomized leak test: many random ACLs, users and queries; nothing unreadable ever shows.
 
 Each document carries a secret word unique to it. For every (user, query) pair we check
-the hits, the citations, the packed prompt and (for a sample) the generated answer: none
-may contain a chunk, or a secret word, of a document the user may not read.
+the hits and the citations, and for a sample the prompt as the generator received it (captured
+at the Generator boundary) and the generated answer: none may contain a chunk, or a secret word,
+of a document the user may not read.
 """
 
 from __future__ import annotations
@@ -13,7 +14,20 @@ import random
 import pytest
 
 from permissions.models import Principal
-from rag.prompts import build_messages, canonical_order
+
+
+class PromptRecorder:
+    """A Generator that records every request, then lets the real one answer it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.requests = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def stream(self, request):
+        self.requests.append(request)
+        return self.inner.stream(request)
 
 GROUPS = [f"g{i}" for i in range(6)]
 USERS = [f"u{i}" for i in range(8)]
@@ -60,6 +74,10 @@ def test_random_acls_never_leak(tmp_path, rag_factory, request, store):
     report = rag.ingest([tmp_path / "corpus"])
     assert report.ok, report.problems
     assert report.added == 120
+    recorder, captured = None, 0
+    if store == "faiss":
+        recorder = PromptRecorder(rag.generator)
+        rag.__dict__["generator"] = recorder  # what the pipeline will call
 
     for trial in range(60):
         principal = Principal(rng.choice(USERS), frozenset(rng.sample(GROUPS, rng.randint(0, 3))))
@@ -79,11 +97,17 @@ def test_random_acls_never_leak(tmp_path, rag_factory, request, store):
             assert principal.can_read(hit.acl)
             found = {s for s in secrets if s in hit.text}
             assert found and found <= readable
-        shown = json.dumps([build_messages(question, canonical_order(answer.hits)),
-                            [c.text for c in answer.citations],
-                            [c.source for c in answer.citations],
-                            answer.text])
+        prompt = []
+        if generate and answer.citations:
+            assert recorder.requests, "the generator was not called"
+            prompt = recorder.requests.pop().messages
+            captured += 1
+            assert all(c.text.strip() in prompt[-1]["content"] for c in answer.citations)
+        shown = json.dumps([prompt, [h.text for h in answer.hits], [c.text for c in answer.citations],
+                            [c.source for c in answer.citations], answer.text])
         for secret in set(secrets) - readable:
             assert secret not in shown, (trial, secret)
         if generate:
             assert answer.text is not None
+    if recorder is not None:
+        assert captured >= 2  # prompts really went through the generator boundary

@@ -42,10 +42,31 @@ def test_same_collection_and_answers_as_faiss(pg_lab, lab_rag):
                 assert pg.principal(user).can_read(h.acl)
 
 
-def test_reingest_is_a_no_op_and_acl_change_applies(pg_lab, lab_copy):
+def test_reingest_is_a_no_op(pg_lab, lab_copy):
     pg, _, _ = pg_lab
     again = pg.ingest([lab_copy])
-    assert again.added == again.updated == again.deleted == 0 and again.unchanged > 0
+    assert again.added == again.updated == again.deleted == again.acl_updated == 0 and again.unchanged > 0
+    assert again.chunks_written == 0
+
+
+def test_acl_change_applies_without_reembedding(pg_lab, tmp_path):
+    pg, _, _ = pg_lab
+    tree = tmp_path / "acl-tree"
+    tree.mkdir()
+    (tree / ".rag-acl.toml").write_text('allow = ["group:genomics"]\n')
+    (tree / "plan.md").write_text("# Plan\n\nThe sequencer service visit is booked for Tuesday 9 December.\n")
+    first = pg.ingest([tree], collection="acl-change")
+    assert first.added == 1
+    question = "When is the sequencer service visit?"
+    bob, alice = pg.principal("bob"), pg.principal("alice")
+    assert not pg.query(question, bob, collection="acl-change", generate=False, rerank=False).hits
+    assert pg.query(question, alice, collection="acl-change", generate=False, rerank=False).hits
+    (tree / ".rag-acl.toml").write_text('allow = ["group:imaging"]\n')  # genomics loses it, imaging gains it
+    report = pg.ingest([tree], collection="acl-change")
+    assert report.acl_updated == 1 and report.chunks_written == 0 and report.tokens_embedded == 0
+    hits = pg.query(question, bob, collection="acl-change", generate=False, rerank=False).hits
+    assert hits and "9 December" in hits[0].text
+    assert not pg.query(question, alice, collection="acl-change", generate=False, rerank=False).hits
 
 
 def test_cli_over_pgvector(pg_lab, lab_copy, tmp_path):
