@@ -37,7 +37,6 @@ class QueryResponse(BaseModel):
 
 class Health(BaseModel):
     status: str
-    collections: list[str]
 
 
 class Ready(BaseModel):

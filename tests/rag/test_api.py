@@ -49,8 +49,7 @@ def _query(url, key, **body):
 def test_healthz(server):
     url, _ = server
     r = httpx.get(f"{url}/healthz")
-    assert r.status_code == 200 and r.json()["status"] == "ok"
-    assert "default" in r.json()["collections"]
+    assert r.status_code == 200 and r.json() == {"status": "ok"}  # nothing about the data without a key
 
 
 @pytest.mark.parametrize("key", [None, "", "rag_nope_nope", "not-a-key"])

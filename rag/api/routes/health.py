@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 from fastapi import APIRouter
@@ -17,7 +16,9 @@ router = APIRouter()
 
 @router.get("/healthz", response_model=Health)
 async def healthz(rag: RagDep) -> Health:
-    return Health(status="ok", collections=await asyncio.to_thread(rag.collection_names))
+    # No key here: say nothing about the data (collection names can tell what a group works on;
+    # GET /v1/models lists what a key may read).
+    return Health(status="ok")
 
 
 @router.get("/readyz")
