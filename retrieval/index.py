@@ -42,11 +42,13 @@ class CollectionIndex:
     """
 
     def __init__(self, catalog: Catalog, info: CollectionInfo, index_dir: Path | None,
-                 store_kind: str = "faiss") -> None:
+                 store_kind: str = "faiss", exact_below: int | None = None) -> None:
+        """`exact_below` goes to the approximate stores (see `retrieval.stores.make_store`)."""
         self.catalog = catalog
         self.info = info
         self.index_dir = index_dir
         self.store_kind = store_kind
+        self.exact_below = exact_below
         self._store: VectorStore = self._empty_store()
         self._queued = _QueuedWrites()
         self.loaded_version = -1
@@ -82,7 +84,7 @@ class CollectionIndex:
         store = None
         if path is not None and path.exists():
             try:
-                store = load_store(self.store_kind, path, info.dim)
+                store = load_store(self.store_kind, path, info.dim, self.exact_below)
                 log.debug("loaded %s", path)
             except StoreError as e:  # a damaged cache file: the catalog has everything
                 log.warning("%s; rebuilding the index of %r from the catalog", e, self.name)
@@ -179,7 +181,7 @@ class CollectionIndex:
     # -- internals -------------------------------------------------------------------------
 
     def _empty_store(self) -> VectorStore:
-        return make_store(self.store_kind, self.info.dim)
+        return make_store(self.store_kind, self.info.dim, self.exact_below)
 
     def _path(self, version: int) -> Path | None:
         if self.index_dir is None or self.store_kind not in _SUFFIX:

@@ -12,8 +12,19 @@ from retrieval.base import VectorStore
 STORE_KINDS = ("faiss", "faiss-hnsw", "faiss-ivf", "memory")
 
 
-def make_store(kind: str, dim: int) -> VectorStore:
-    """Create an empty store of a registered kind."""
+def make_store(kind: str, dim: int, exact_below: int | None = None) -> VectorStore:
+    """Create an empty store of a registered kind.
+
+    Args:
+        kind: one of STORE_KINDS.
+        dim: vector dimension.
+        exact_below: for the approximate kinds, allow-lists of at most this many rows are
+            searched exactly (0: always search the graph / lists); None keeps the store's
+            default. The exact kinds ignore it.
+
+    Raises:
+        ConfigError: for an unknown kind.
+    """
     if kind == "memory":
         from retrieval.stores.memory import MemoryStore
 
@@ -22,21 +33,20 @@ def make_store(kind: str, dim: int) -> VectorStore:
         from retrieval.stores.faiss import FaissStore
 
         return FaissStore(dim)
-    if kind == "faiss-hnsw":
-        from retrieval.stores.faiss_ann import HnswStore
+    if kind in ("faiss-hnsw", "faiss-ivf"):
+        from retrieval.stores.faiss_ann import HnswStore, IvfStore
 
-        return HnswStore(dim)
-    if kind == "faiss-ivf":
-        from retrieval.stores.faiss_ann import IvfStore
-
-        return IvfStore(dim)
+        cls = HnswStore if kind == "faiss-hnsw" else IvfStore
+        return cls(dim) if exact_below is None else cls(dim, exact_below=exact_below)
     raise ConfigError(f"unknown vector store {kind!r}; choose one of: {', '.join(STORE_KINDS)}")
 
 
-def load_store(kind: str, path: Path, dim: int) -> VectorStore:
-    """Load a store saved by `save` (only the Faiss kinds persist)."""
+def load_store(kind: str, path: Path, dim: int, exact_below: int | None = None) -> VectorStore:
+    """Load a store saved by `save` (only the Faiss kinds persist); `exact_below` as in make_store."""
     from retrieval.stores.faiss import FaissStore
     from retrieval.stores.faiss_ann import HnswStore, IvfStore
 
-    cls = {"faiss": FaissStore, "faiss-hnsw": HnswStore, "faiss-ivf": IvfStore}[kind]
-    return cls.load(path, dim)
+    if kind == "faiss":
+        return FaissStore.load(path, dim)
+    cls = {"faiss-hnsw": HnswStore, "faiss-ivf": IvfStore}[kind]
+    return cls.load(path, dim) if exact_below is None else cls.load(path, dim, exact_below)

@@ -7,11 +7,15 @@ external chunk ids beside them. That buys three things Faiss alone does not give
   dead, never allowed again, and the index is rebuilt once dead rows outnumber live ones;
 - IVF training that follows the collection: the index is re-trained when the collection has
   grown well past the size it was trained on;
-- an exact path. A selective allow-list (few allowed rows) is searched exhaustively over
-  just those rows, which is both faster and exact; a broad one goes to the graph / lists with
-  the allow-list as an ID selector and a search width scaled by how selective it is. If the
-  approximate search still returns fewer hits than it could, the exact path answers instead,
-  so a principal who may read at least k chunks always gets k hits.
+- an exact path. A selective allow-list (at most `exact_below` allowed rows) is searched
+  exhaustively over just those rows, which is both faster and exact; a broad one goes to the
+  graph / lists with the allow-list as an ID selector and a search width scaled by how
+  selective it is. If the approximate search still returns fewer hits than it could, the
+  exact path answers instead, so a principal who may read at least k chunks always gets k hits.
+
+Counters say which path answered: `num_exact_searches` (exact without consulting the index),
+`num_approximate_searches` (the graph / lists were searched) and `num_fallbacks` (of those,
+the ones that found fewer than k and were answered exactly instead).
 """
 
 from __future__ import annotations
@@ -37,8 +41,14 @@ class _AnnStore:
 
     kind = "ann"
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, exact_below: int = EXACT_BELOW) -> None:
+        if exact_below < 0:
+            raise ValueError(f"exact_below must be >= 0 (0: always search the index), got {exact_below}")
         self.dim = dim
+        self.exact_below = exact_below
+        self.num_exact_searches = 0  # answered exactly without the index (asked, selective, or no index)
+        self.num_approximate_searches = 0  # the graph / inverted lists were searched
+        self.num_fallbacks = 0  # approximate searches that found < k and ran exactly instead
         # Row tables in buffers that grow by doubling (rows [0, _n) are used): ingest adds one
         # document at a time, and re-concatenating would copy the whole matrix on every add.
         self._n = 0
@@ -98,6 +108,10 @@ class _AnnStore:
                     ) -> list[tuple[int, float]]:
         raise NotImplementedError
 
+    def _has_index(self) -> bool:
+        """Whether the approximate index can answer (IVF: only once trained)."""
+        return True
+
     # -- VectorStore -----------------------------------------------------------------------
 
     def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
@@ -143,11 +157,14 @@ class _AnnStore:
         if len(labels) == 0 or k <= 0:
             return []  # an empty allow-list must never mean "no filter"
         want = min(k, len(labels))
-        if exact or len(labels) <= EXACT_BELOW or len(self._label_of) == 0:
+        if exact or len(labels) <= self.exact_below or not self._has_index():
+            self.num_exact_searches += 1
             return self._exact(query[0], want, labels)
         self._sync()
+        self.num_approximate_searches += 1
         hits = self._ann_search(query, want, labels, widen=len(self._label_of) / len(labels))
         if len(hits) < want:
+            self.num_fallbacks += 1
             return self._exact(query[0], want, labels)
         return hits
 
@@ -163,12 +180,12 @@ class _AnnStore:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, dim: int) -> _AnnStore:
+    def load(cls, path: Path, dim: int, exact_below: int = EXACT_BELOW) -> _AnnStore:
         try:
             with np.load(io.BytesIO(path.read_bytes())) as data:
                 if str(data["kind"]) != cls.kind:
                     raise StoreError(f"{path} holds a {data['kind']} index, not {cls.kind}")
-                store = cls(dim)
+                store = cls(dim, exact_below=exact_below)
                 store.index = faiss.deserialize_index(data["index"])
                 store._vecs = data["vecs"].astype(np.float32, copy=False)
                 store._ext = data["ext"].astype(np.int64, copy=False)
@@ -246,9 +263,10 @@ class HnswStore(_AnnStore):
 
     kind = "hnsw"
 
-    def __init__(self, dim: int, m: int = 32, ef_construction: int = 80, ef_search: int = 128) -> None:
+    def __init__(self, dim: int, m: int = 32, ef_construction: int = 80, ef_search: int = 128,
+                 exact_below: int = EXACT_BELOW) -> None:
         self.m, self.ef_construction, self.ef_search = m, ef_construction, ef_search
-        super().__init__(dim)
+        super().__init__(dim, exact_below)
 
     def _new_index(self, n: int) -> faiss.Index:
         index = faiss.IndexHNSWFlat(self.dim, self.m, faiss.METRIC_INNER_PRODUCT)
@@ -276,10 +294,10 @@ class IvfStore(_AnnStore):
     kind = "ivf"
     MIN_TRAIN = 1024  # below this, rows are searched exhaustively and no lists are trained
 
-    def __init__(self, dim: int, nprobe: int = 32) -> None:
+    def __init__(self, dim: int, nprobe: int = 32, exact_below: int = EXACT_BELOW) -> None:
         self.nprobe = nprobe
         self.trained_on = 0
-        super().__init__(dim)
+        super().__init__(dim, exact_below)
 
     def _new_index(self, n: int) -> faiss.Index:
         # sqrt(n) lists keeps >= 39 training points per list (Faiss' own floor) from MIN_TRAIN on.
@@ -311,10 +329,12 @@ class IvfStore(_AnnStore):
         self.index.add_with_ids(self._vecs, np.arange(n, dtype=np.int64))
         self.trained_on = n
 
+    def _has_index(self) -> bool:
+        return self.index.is_trained  # below MIN_TRAIN rows there are no lists to search
+
     def _ann_search(self, query: np.ndarray, k: int, labels: np.ndarray, widen: float
                     ) -> list[tuple[int, float]]:
-        if not self.index.is_trained:
-            return self._exact(query[0], k, labels)
+        assert self.index.is_trained
         # Probe at least a third of the lists: embeddings cluster far less than IVF's
         # textbook examples, and recall collapses with a handful of probes.
         base = max(self.nprobe, self.index.nlist // 3)
@@ -324,8 +344,8 @@ class IvfStore(_AnnStore):
         return self._finish(scores[0], found[0])
 
     @classmethod
-    def load(cls, path: Path, dim: int) -> IvfStore:
-        store = super().load(path, dim)
+    def load(cls, path: Path, dim: int, exact_below: int = EXACT_BELOW) -> IvfStore:
+        store = super().load(path, dim, exact_below)
         assert isinstance(store, IvfStore)
         store.trained_on = int(store.index.ntotal) if store.index.is_trained else 0
         return store

@@ -1,9 +1,11 @@
 """Contract suite at the collection level: every backend behaves like the numpy reference.
 
 Backends: the SQLite catalog with each vector store (memory = the reference, Faiss flat,
-HNSW, IVF) and PostgreSQL with pgvector (a real throwaway server). The reference answer is
-computed here from what was written, independently of any store: for a principal's tokens,
-the chunks of documents whose ACL names one of them, ranked by inner product.
+HNSW, IVF) and PostgreSQL with pgvector (a real throwaway server). HNSW and IVF also run
+with `exact_below=0` ("...:approx"), so the graph and the inverted lists themselves are
+searched rather than the exact path these small collections otherwise take. The reference
+answer is computed here from what was written, independently of any store: for a principal's
+tokens, the chunks of documents whose ACL names one of them, ranked by inner product.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from rag.errors import NotFoundError, StoreError
 from rag.types import Chunk, Document
 from retrieval.catalog import Catalog
 from retrieval.index import CollectionIndex
+from retrieval.stores.faiss_ann import HnswStore, IvfStore
 
 DIM = 16
-CATALOG_KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf"]
+CATALOG_KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf", "faiss-hnsw:approx", "faiss-ivf:approx"]
 BACKENDS = [*CATALOG_KINDS, "pgvector"]
 GROUPS = [f"group:g{i}" for i in range(6)] + ["public", "user:alice", "user:bob"]
 
@@ -31,10 +34,20 @@ def _open(kind: str, tmp_path, request):
         dsn = request.getfixturevalue("pg_dsn")
         return create_collection(dsn, "contract", "test-embedder", "fp-1", DIM,
                                  {"max_tokens": 64, "overlap_tokens": 0})
+    kind, _, mode = kind.partition(":")
     catalog = Catalog(tmp_path / "catalog.sqlite")
     info = catalog.create_collection("contract", "test-embedder", "fp-1", DIM,
                                      {"max_tokens": 64, "overlap_tokens": 0})
-    return CollectionIndex(catalog, info, tmp_path / "indexes", kind)
+    return CollectionIndex(catalog, info, tmp_path / "indexes", kind,
+                           exact_below=0 if mode == "approx" else None)
+
+
+def _approximate_store(store) -> HnswStore | IvfStore | None:
+    """The vector store of a backend that searches its graph / lists on every query, else None."""
+    vectors = getattr(store, "store", None)
+    if isinstance(vectors, HnswStore | IvfStore) and vectors.exact_below == 0:
+        return vectors
+    return None
 
 
 @pytest.fixture(params=BACKENDS)
@@ -114,6 +127,46 @@ def test_exact_filtered_topk_matches_reference(store):
         # the default (possibly approximate) path never returns anything outside the filter
         for (key, _), _ in corpus.located(store.search(q, k, tokens)):
             assert corpus.docs[key][0] & set(tokens), trial
+
+
+def test_filtered_topk_after_deletes_and_acl_changes(store):
+    """Enough chunks that IVF trains, then deletes that compact HNSW / IVF (1200 chunks left)."""
+    corpus = Corpus(store, seed=13)
+    for d in range(65):
+        corpus.write(f"doc{d:02d}", 40)
+    rng = np.random.default_rng(14)
+
+    def check(trials: int) -> None:
+        found = relevant = 0
+        for trial in range(trials):
+            tokens = rng.choice(GROUPS, size=int(rng.integers(1, 4)), replace=False).tolist()
+            q, k = _query(rng), int(rng.integers(1, 25))
+            want = corpus.expected(q, k, tokens)
+            _assert_same(corpus.located(store.search(q, k, tokens, exact=True)), want)
+            got = corpus.located(store.search(q, k, tokens))
+            assert all(corpus.docs[key][0] & set(tokens) for (key, _), _ in got), trial
+            assert len(got) == len(want), trial
+            found += len({loc for loc, _ in got} & {loc for loc, _ in want})
+            relevant += len(want)
+        assert found / relevant >= 0.9  # exact backends: 1.0
+
+    def check_paths(searches: int) -> None:
+        ann = _approximate_store(store)
+        if ann is not None:  # every default-mode search went to the graph / lists
+            assert ann.num_approximate_searches == searches  # fallbacks included
+            assert ann.num_exact_searches == searches  # the exact=True ones only
+            assert not isinstance(ann, IvfStore) or ann.index.is_trained
+            assert ann.index.ntotal == ann.count()  # after the deletes: HNSW was rebuilt (compacted)
+
+    check(15)
+    check_paths(15)
+    for d in range(35):
+        corpus.delete(f"doc{d:02d}")
+    for d in range(35, 45):
+        corpus.set_acl(f"doc{d:02d}", frozenset({GROUPS[d % 3]}))
+    assert store.stats() == {"documents": 30, "chunks": 1200}
+    check(15)
+    check_paths(30)
 
 
 def test_replace_delete_and_stats(store):

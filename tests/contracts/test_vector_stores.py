@@ -1,4 +1,10 @@
-"""Contract suite: every vector store returns the reference store's ACL-filtered top-k."""
+"""Contract suite: every vector store returns the reference store's ACL-filtered top-k.
+
+HNSW and IVF run twice: with their default exact threshold (these small sets are then
+searched exactly) and with `exact_below=0` ("...:approx"), so that the graph and the
+inverted lists themselves are searched. Approximate answers are held to recall against the
+reference instead of equality, and never to anything outside the allow-list.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from retrieval.stores.faiss import FaissStore
 from retrieval.stores.memory import MemoryStore
 
 DIM = 16
-KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf"]
+KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf", "faiss-hnsw:approx", "faiss-ivf:approx"]
+N = 1500  # above IvfStore.MIN_TRAIN, so that IVF has trained lists to search
 
 
 def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -21,25 +28,73 @@ def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
 
 @pytest.fixture(params=KINDS)
 def store(request):
-    return make_store(request.param, DIM)
+    kind, _, mode = request.param.partition(":")
+    return make_store(kind, DIM, exact_below=0 if mode == "approx" else None)
+
+
+def _is_approximate(store) -> bool:
+    return getattr(store, "exact_below", None) == 0
+
+
+def _check_against_reference(store, ref, queries) -> None:
+    """Search each (query, k, allowed) in both stores: exact mode equal, default mode by recall."""
+    found = relevant = 0
+    for trial, (q, k, allowed) in enumerate(queries):
+        want = ref.search(q, k, allowed)
+        exact = store.search(q, k, allowed, exact=True)
+        assert [i for i, _ in exact] == [i for i, _ in want], trial
+        assert np.allclose([s for _, s in exact], [s for _, s in want], atol=1e-5)
+        got = store.search(q, k, allowed)
+        assert {i for i, _ in got} <= set(allowed.tolist()), trial
+        assert len(got) == len(want), trial  # a principal who may read k chunks gets k hits
+        assert [s for _, s in got] == sorted((s for _, s in got), reverse=True)
+        if not _is_approximate(store):
+            assert [i for i, _ in got] == [i for i, _ in want], trial
+        found += len({i for i, _ in got} & {i for i, _ in want})
+        relevant += len(want)
+    assert found / relevant >= 0.9
+    if _is_approximate(store):  # every default-mode search went to the graph / lists
+        assert store.num_approximate_searches == len(queries)
+        assert store.num_exact_searches == len(queries)  # the exact=True ones only
+
+
+def _random_queries(rng, ids: np.ndarray, n: int) -> list[tuple[np.ndarray, int, np.ndarray]]:
+    return [(_unit(rng, 1)[0], int(rng.integers(1, 20)),
+             np.sort(rng.choice(ids, size=int(rng.integers(1, len(ids))), replace=False)))
+            for _ in range(n)]
 
 
 def test_filtered_topk_matches_reference(store):
     rng = np.random.default_rng(0)
-    ids = np.arange(100, 400, dtype=np.int64)
+    ids = np.arange(100, 100 + N, dtype=np.int64)
     vecs = _unit(rng, len(ids))
     ref = MemoryStore(DIM)
     ref.add(ids, vecs)
     store.add(ids, vecs)
-    for trial in range(20):
-        allowed = np.sort(rng.choice(ids, size=int(rng.integers(1, 300)), replace=False))
-        q = _unit(rng, 1)[0]
-        k = int(rng.integers(1, 20))
-        got = store.search(q, k, allowed)
-        want = ref.search(q, k, allowed)
-        assert [i for i, _ in got] == [i for i, _ in want], trial
-        assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-5)
-        assert set(i for i, _ in got) <= set(allowed.tolist())
+    _check_against_reference(store, ref, _random_queries(rng, ids, 20))
+
+
+def test_filtered_topk_after_deletions_and_compaction(store):
+    rng = np.random.default_rng(5)
+    ids = np.arange(5000, 7600, dtype=np.int64)
+    vecs = _unit(rng, len(ids))
+    ref = MemoryStore(DIM)
+    for s in (ref, store):
+        s.add(ids, vecs)
+    # More dead rows than live ones compacts HNSW / IVF; 1200 live rows still train IVF.
+    gone = rng.choice(ids, size=1400, replace=False)
+    live = np.setdiff1d(ids, gone)
+    moved = rng.choice(live, size=100, replace=False)
+    new_vecs = _unit(rng, len(moved))
+    for s in (ref, store):
+        s.remove(gone)
+        s.add(moved, new_vecs)  # replaced vectors after the compaction
+    assert store.count() == ref.count() == len(live)
+    # Allow-lists that also name deleted ids: those are never returned.
+    queries = _random_queries(rng, ids, 20)
+    _check_against_reference(store, ref, queries)
+    for q, k, allowed in queries:
+        assert not {i for i, _ in store.search(q, k, allowed)} & set(gone.tolist())
 
 
 def test_empty_allow_list_returns_nothing(store):
@@ -50,9 +105,11 @@ def test_empty_allow_list_returns_nothing(store):
 
 def test_k_larger_than_allowed_set(store):
     rng = np.random.default_rng(2)
-    store.add(np.arange(50, dtype=np.int64), _unit(rng, 50))
+    store.add(np.arange(1100, dtype=np.int64), _unit(rng, 1100))
     got = store.search(_unit(rng, 1)[0], 10, np.array([3, 7, 11], dtype=np.int64))
     assert sorted(i for i, _ in got) == [3, 7, 11]
+    if _is_approximate(store):
+        assert store.num_approximate_searches == 1
 
 
 def test_upsert_replaces_and_remove_deletes(store):

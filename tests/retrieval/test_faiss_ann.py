@@ -44,6 +44,8 @@ def test_broad_filter_recall_and_full_k(kind, data):
         # exact mode is exhaustive: identical to the reference
         assert [i for i, _ in store.search(q, 10, allowed, exact=True)] == [i for i, _ in want]
     assert np.mean(recall) >= 0.9
+    assert store.num_approximate_searches == len(queries)  # the default threshold still routes here
+    assert store.num_exact_searches == len(queries)  # the exact=True ones
 
 
 @pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-ivf"])
