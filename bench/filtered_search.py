@@ -88,6 +88,30 @@ def timed(fn, queries):
     return out, lat
 
 
+def timed_paths(store, fn, queries):
+    """timed(), also saying for each query which path the HNSW store took (from its counters)."""
+    out, lat, paths = [], [], []
+    for q in queries:
+        before = (store.num_exact_searches, store.num_fallbacks)
+        t = time.perf_counter()
+        out.append(fn(q))
+        lat.append((time.perf_counter() - t) * 1000)
+        exact, fallback = store.num_exact_searches - before[0], store.num_fallbacks - before[1]
+        paths.append("exact" if exact else "fallback" if fallback else "approximate")
+    return out, lat, paths
+
+
+def path_note(results, truth, paths) -> str:
+    """Recall of the queries the graph answered, apart from those answered exactly (selective or fallback)."""
+    parts = []
+    for path in ("approximate", "fallback", "exact"):
+        picked = [(r, t) for r, t, p in zip(results, truth, paths, strict=True) if p == path]
+        if picked:
+            recall = np.mean([len({i for i, _ in r} & t) / len(t) for r, t in picked])
+            parts.append(f"{path} {len(picked)} q, recall {recall:.3f}")
+    return "; ".join(parts)
+
+
 def summary(results, truth, lat, k):
     recall = np.mean([len({i for i, _ in r} & t) / len(t) for r, t in zip(results, truth, strict=True)])
     short = sum(len(r) < min(k, len(t)) for r, t in zip(results, truth, strict=True))
@@ -129,10 +153,12 @@ def main() -> None:
         res, lat = timed(lambda q, a=allowed: flat.search(q, args.k, a), queries)
         exact = summary(res, truth[share], lat, args.k)
         rows.append(("exact (faiss flat + selector)", share, *exact))
-        res, lat = timed(lambda q, a=allowed: index.store.search(q, args.k, a), queries)
-        rows.append(("faiss-hnsw, store only", share, *summary(res, truth[share], lat, args.k), exact[1]))
-        res, lat = timed(lambda q, tk=tokens: index.search(q, args.k, tk), queries)
-        rows.append(("faiss-hnsw, with catalog ACL", share, *summary(res, truth[share], lat, args.k), exact[1]))
+        res, lat, paths = timed_paths(index.store, lambda q, a=allowed: index.store.search(q, args.k, a), queries)
+        rows.append((f"faiss-hnsw, store only ({path_note(res, truth[share], paths)})", share,
+                     *summary(res, truth[share], lat, args.k), exact[1]))
+        res, lat, paths = timed_paths(index.store, lambda q, tk=tokens: index.search(q, args.k, tk), queries)
+        rows.append((f"faiss-hnsw, with catalog ACL ({path_note(res, truth[share], paths)})", share,
+                     *summary(res, truth[share], lat, args.k), exact[1]))
 
     # -- pgvector ---------------------------------------------------------------------
     if not args.no_pg:
