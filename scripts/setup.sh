@@ -12,6 +12,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=$PWD/.venv/bin/python
 
+# The chat page's browser test drives Debian's Chromium through Playwright (never
+# `playwright install`, which downloads a browser). Checked on every run (before the stamp):
+# installed where we are root with apt, else a hint.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing chromium (for the chat page's browser test)"
+    apt-get install -y --no-install-recommends chromium >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y --no-install-recommends chromium >/dev/null; }
+  else
+    echo "== hint: no /usr/bin/chromium; the browser test will skip (as root: apt-get install -y chromium)"
+  fi
+fi
+
 stamp=.venv/.rag-installed
 want=$(cat pyproject.toml scripts/setup.sh scripts/build_spacy_stub.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
