@@ -34,8 +34,9 @@ import torch
 
 from ingest.embed import Embedder, EmbedderConfig
 
-# Token counts (with [CLS] and [SEP]) of the 140 chunks `rag ingest examples/lab-docs` made on
-# 2026-11-30 (chunk_max_tokens 200, overlap 32), in catalog order.
+# Token counts (with [CLS] and [SEP]) of the 140 chunks `rag ingest examples/lab-docs` made
+# (chunk_max_tokens 200, overlap 32), in catalog order: a fixed corpus, recorded when this
+# benchmark was added (commit ad49eac), not re-measured per run.
 CORPUS_LENGTHS = [
     34, 184, 168, 93, 55, 43, 133, 68, 61, 47, 128, 95, 119, 100, 84, 85, 72, 120, 92, 62,
     48, 46, 172, 141, 50, 74, 95, 116, 78, 73, 104, 110, 116, 161, 137, 54, 79, 89, 164, 58,
@@ -45,7 +46,6 @@ CORPUS_LENGTHS = [
     126, 118, 65, 66, 81, 116, 79, 173, 71, 53, 109, 126, 105, 91, 88, 54, 69, 92, 68, 65,
     41, 47, 82, 77, 71, 64, 67, 45, 70, 179, 52, 36, 61, 82, 69, 142, 48, 158, 202, 120,
 ]
-DATE = "2026-11-30"
 
 
 def word_pool(tokenizer) -> list[str]:
@@ -246,7 +246,8 @@ def main() -> None:
             st_version = sentence_transformers.__version__
         except ImportError:
             args.no_st = True
-    print(f"embed throughput, {DATE} (clock: {datetime.date.today()}); {hardware(args.device)}; "
+    run_date = datetime.date.today()  # the date of this run, printed with its figures
+    print(f"embed throughput, {run_date}; {hardware(args.device)}; "
           f"transformers {transformers.__version__}, sentence-transformers {st_version}", flush=True)
     num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     summary = []
@@ -257,7 +258,7 @@ def main() -> None:
             traceback.print_exc()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    print(f"\nsummary ({DATE}; {hardware(args.device)}): ratio = peer time / this time "
+    print(f"\nsummary ({run_date}; {hardware(args.device)}): ratio = peer time / this time "
           "(peer: sentence-transformers, else the old embedder)")
     for model, dist, name, cps, tps, ratio in summary:
         r = f"{ratio:.2f}x" if ratio else "-"

@@ -5,6 +5,10 @@ this run. Prints ms per output token for batch 1 and output tokens/s for a batch
 ours/HF, the hardware and the date. Runs on CPU (here) or CUDA (the device machine):
 
     PYTHONPATH=. python bench/generate_smollm2.py [--device cpu|cuda] [--new-tokens 64]
+
+Exits non-zero, before timing anything, if our greedy tokens differ from HF's (a different
+length included), and after timing if a timed run of ours produced fewer tokens than asked: a
+faster engine that stops early is not a result.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import datetime
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,7 +69,16 @@ def main() -> None:
     params = SamplingParams(max_tokens=n, ignore_eos=True)
 
     def ours_run(batch: int):
-        return lambda: ours.generate([ids] * batch, params)
+        def run():
+            outs = ours.generate([ids] * batch, params)
+            short = [len(o.token_ids) for o in outs if len(o.token_ids) != n]
+            if short:
+                sys.exit(
+                    f"FAIL: our engine produced {short[0]} tokens instead of the {n} asked for "
+                    f"({len(short)} of {batch} requests); the timing would count "
+                    "tokens that were never generated"
+                )
+        return run
 
     def hf_run(batch: int):
         x = torch.tensor([ids] * batch, device=args.device)
@@ -82,12 +96,21 @@ def main() -> None:
         ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                           pad_token_id=0)[0, len(ids):].tolist()
     mine = ours.generate([ids], SamplingParams(max_tokens=n))[0].token_ids
-    same = ref[: len(mine)] == mine
+    # Exactly equal, length included: both stop at the same EOS or both run to n tokens. A
+    # shorter output of ours is a failure, not a prefix match.
+    if mine != ref:
+        first = next((i for i, (a, b) in enumerate(zip(mine, ref, strict=False)) if a != b), min(len(mine), len(ref)))
+        sys.exit(
+            f"FAIL: greedy tokens differ from HF's: ours has {len(mine)} tokens, HF {len(ref)} "
+            f"(of {n} asked for), first difference at token {first}; not timing an engine that "
+            "does not generate the same text"
+        )
+    ended = "both ended at EOS" if len(ref) < n else "no EOS"
 
     hw = torch.cuda.get_device_name() if args.device == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     print(f"SmolLM2-135M-Instruct, prompt {len(ids)} tokens, {n} new tokens, {args.device} ({hw}), "
-          f"{datetime.date.today()}; greedy tokens identical to HF: {same}")
+          f"{datetime.date.today()}; greedy tokens identical to HF ({len(ref)} of {n}, {ended})")
     for batch in (1, args.batch):
         t_ours = _time(ours_run(batch), args.device, args.repeats)
         t_hf = _time(hf_run(batch), args.device, args.repeats)

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Mistral is the Llama architecture (no attention biases, head_dim may be set) plus an optional
+# sliding window, which the engine honours by capping the context at the window (context_len).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -43,6 +45,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
     # EOS ids from config.json and generation_config.json (the tokenizer's is added by the LLM).
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral: each token attends to the last `sliding_window` positions (itself included); None
+    # is full attention (Mistral v0.3, and every other model type here).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -55,11 +60,26 @@ class ModelConfig:
         rope_type = self.rope_scaling.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; valid: {SUPPORTED_ROPE_TYPES}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
 
     @property
     def num_queries_per_kv(self) -> int:
         """How many query heads share one KV head (grouped-query attention)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def context_len(self) -> int:
+        """Most tokens of one sequence that the engine computes exactly.
+
+        max_position_embeddings, or the sliding window when that is smaller: the engine's
+        attention is full, and within the window sliding-window attention is the same thing
+        (HF masks key j for query i when i - j >= sliding_window, which never happens while
+        i < sliding_window).
+        """
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -108,11 +128,14 @@ class ModelConfig:
                 qk_norm=hf.model_type == "qwen3",
                 rope_scaling=_rope_scaling(hf),
                 eos_token_ids=tuple(_eos_ids(getattr(hf, "eos_token_id", None)) + _generation_eos_ids(model_dir)),
+                # Only Mistral's: Qwen2 configs carry a sliding_window that applies only with
+                # use_sliding_window (warned about above).
+                sliding_window=getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None,
             )
         except ValueError as exc:
             raise ModelError(
                 f"the model in {model_dir} cannot run on this generator: {exc}. "
-                "Use a Llama, Qwen2 or Qwen3 architecture model, or serve it through a remote generator."
+                "Use a Llama, Mistral, Qwen2 or Qwen3 architecture model, or serve it through a remote generator."
             ) from exc
 
 

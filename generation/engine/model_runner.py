@@ -65,7 +65,8 @@ class ModelRunner:
 
     Raises:
         ModelError: the model cannot be loaded, the device is missing, max_model_len exceeds the
-            model's context, or the KV cache cannot hold one sequence of max_model_len.
+            model's context (max_position_embeddings, or a smaller sliding window), or the KV cache
+            cannot hold one sequence of max_model_len.
     """
 
     def __init__(self, model_dir: Path, config: EngineConfig) -> None:
@@ -76,12 +77,24 @@ class ModelRunner:
         self.model: LlamaForCausalLM
         self.model_config: ModelConfig
         self.model, self.model_config = load_model(model_dir, self.device, self.dtype)
-        context = self.model_config.max_position_embeddings
+        context = self.model_config.context_len
+        # Where the context is capped at a sliding window (Mistral v0.1), name that as the limit.
+        windowed = context < self.model_config.max_position_embeddings
+        limit = "sliding_window" if windowed else "max_position_embeddings"
+        why = " (sliding-window attention is not implemented; within the window it equals full attention)"
         if config.max_model_len is not None and config.max_model_len > context:
             raise ModelError(
                 f"max_model_len {config.max_model_len} is longer than the model's context ({context} "
-                f"tokens, max_position_embeddings in {model_dir / 'config.json'}): set it to {context} or less"
+                f"tokens, {limit} in {model_dir / 'config.json'}): set it to {context} or less"
+                f"{why if windowed else ''}"
             )
+        if windowed and config.max_model_len is None:
+            logger.warning(
+                "%s: the sliding window (%d tokens) is shorter than max_position_embeddings (%d): max_model_len "
+                "capped at %d, within which full attention equals sliding-window attention (longer sequences "
+                "would need sliding-window attention, which this engine does not implement)",
+                model_dir, context, self.model_config.max_position_embeddings, context,
+            )  # fmt: skip
         wanted_len = config.max_model_len or context
         self._choose_matmul_kernels()  # before the KV cache is sized: its timing buffers are freed by then
         self.num_kv_blocks = decide_num_blocks(self.model, config, self.device, self.dtype, wanted_len)

@@ -1,4 +1,4 @@
-"""Fixtures for generator tests: tiny random Llama folders and the packaged SmolLM2, converted once."""
+"""Fixtures for generator tests: tiny random Llama-family folders and the packaged SmolLM2, converted once."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ TINY_CHARS = [chr(c) for c in range(32, 127)] + list("\néöüçßñÄÖÜαβλ
 TINY_SPECIALS = ["<s>", "</s>", "<unk>"]
 TINY_VOCAB = len(TINY_SPECIALS) + len(TINY_CHARS)
 assert TINY_VOCAB == 128
+# The "mistral_window" variant's sliding window, in tokens.
+MISTRAL_WINDOW = 32
 
 
 def tiny_hf_config(variant: str = "default"):
     """A 2-layer GQA config (4 query heads, 2 KV heads); `variant` switches one feature on."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -43,6 +45,13 @@ def tiny_hf_config(variant: str = "default"):
     if variant == "qwen3":
         # Qwen3 sets head_dim on its own (128 by default); QK-norm is what this variant tests.
         return Qwen3Config(**common, head_dim=16)
+    if variant == "mistral":
+        # Mistral v0.3: full attention (sliding_window None); head_dim set apart from
+        # hidden_size / num_attention_heads (32, not 16), as Mistral Nemo does.
+        return MistralConfig(**common, head_dim=32, sliding_window=None)
+    if variant == "mistral_window":
+        # Mistral v0.1: a sliding window shorter than max_position_embeddings (256).
+        return MistralConfig(**common, sliding_window=MISTRAL_WINDOW)
     rope_scaling = None
     if variant == "llama3":
         # original_max_position_embeddings small enough that the frequencies fall in all three

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -55,10 +54,7 @@ def cache_dir(model_cache: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(cache_dir: Path) -> Path:
-    start = time.perf_counter()
-    path = resolve_reranker_dir(None, cache_dir)
-    print(f"\nreranker conversion took {time.perf_counter() - start:.2f} s")
-    return path
+    return resolve_reranker_dir(None, cache_dir)
 
 
 @pytest.fixture(scope="session")
@@ -153,13 +149,20 @@ def test_rerank_is_stable_on_ties(reranker: CrossEncoderReranker) -> None:
     assert [h.chunk_id for h in reranker.rerank(SLURM, hits)] == [1, 7, 3, 9]
 
 
-def test_conversion_is_cached(model_dir: Path, cache_dir: Path) -> None:
+def test_conversion_is_cached(model_dir: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     weights = model_dir / "model.safetensors"
-    before = (weights.stat().st_mtime_ns, weights.stat().st_ino)
-    start = time.perf_counter()
+    before = (weights.stat().st_mtime_ns, weights.stat().st_ino, (model_dir / MARKER_FILE).read_text())
+    conversions: list[Path] = []
+
+    def counting_convert(onnx_path: Path, out_dir: Path) -> Path:
+        conversions.append(out_dir)
+        return convert_onnx_reranker(onnx_path, out_dir)
+
+    # resolve_reranker_dir converts through this name: a second resolve must reuse the folder.
+    monkeypatch.setattr("retrieval.rerank.convert_onnx_reranker", counting_convert)
     assert resolve_reranker_dir(None, cache_dir) == model_dir
-    assert time.perf_counter() - start < 1.0
-    assert (weights.stat().st_mtime_ns, weights.stat().st_ino) == before
+    assert conversions == []
+    assert (weights.stat().st_mtime_ns, weights.stat().st_ino, (model_dir / MARKER_FILE).read_text()) == before
 
 
 def test_stale_marker_is_not_trusted(model_dir: Path, tmp_path: Path) -> None:
