@@ -229,6 +229,8 @@ def serve(
         "--max-concurrent", help="answers generated at once (default 64)")] = None,
     max_queued: Annotated[int | None, typer.Option(
         "--max-queued", help="questions waiting for a slot before new ones get 429 (default 256)")] = None,
+    log_format: Annotated[str | None, typer.Option(
+        "--log-format", help="text (default) or json: one JSON object per line, with the request id")] = None,
 ) -> None:
     """Serve the query API and the OpenAI-compatible chat API.
 
@@ -239,14 +241,17 @@ def serve(
     import uvicorn
 
     from rag.api.app import create_app
+    from rag.api.logs import configure_logging
     from rag.settings import load_settings
 
     backend = "remote" if generator_url else None
     settings = load_settings(home=_state.get("home"), host=host, port=port, store=store, dsn=dsn,
                              generator_backend=backend, generator_url=generator_url,
                              generator_model=generator_model, max_concurrent_generations=max_concurrent,
-                             max_queued_generations=max_queued)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+                             max_queued_generations=max_queued, log_format=log_format)
+    log_config = configure_logging(settings.log_format)  # our access lines replace uvicorn's
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                log_config=log_config, access_log=False)
 
 
 @app.command("collections")

@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     # Cache counters tell when other users' requests shared KV: enable only where every key holder
     # is trusted (operators, tests).
     expose_engine_metrics: bool = False
+    # GET /metrics (Prometheus, no key): request counts, latencies, engine and admission gauges, no
+    # text or names. Do not expose it publicly (cache counters are totals over all users): bind it
+    # to the monitoring network or turn it off.
+    metrics_enabled: bool = True
+    # Service logs: "text", or "json" (one object per line, with the request id).
+    log_format: Literal["text", "json"] = "text"
 
     @field_validator("collection")
     @classmethod

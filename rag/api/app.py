@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from rag.api.errors import install_error_handlers
+from rag.api.observability import install_observability
 from rag.api.routes import chat, documents, health, page, query
 from rag.settings import Settings
 
@@ -45,6 +46,7 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
 
     app = FastAPI(title="lab RAG", version="0.2.0", lifespan=lifespan)
     install_error_handlers(app)
+    install_observability(app, settings)  # request ids, access log, GET /metrics
     app.include_router(health.router)
     app.include_router(query.router)
     app.include_router(chat.router)

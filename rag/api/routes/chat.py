@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from rag.answering import Admitted, AnswerDone
 from rag.api.deps import PrincipalDep, RagDep
 from rag.api.errors import ApiError, rag_error_response
+from rag.api.observability import record_answer
 from rag.api.openai_schemas import ChatCompletionRequest, parse_body
 from rag.api.routes.query import prepare_with_deadline
 from rag.api.streaming import EventStream, sse, until_disconnected
@@ -66,6 +67,7 @@ async def chat_completions(request: Request, rag: RagDep, principal: PrincipalDe
         async for event in events:
             if isinstance(event, AnswerDone):
                 done = event
+                record_answer(request, event)
         assert done is not None
         return JSONResponse(reply.completion(done))
     first = await anext(events, None)  # a generation slot first: a full queue is a real 429
@@ -134,6 +136,7 @@ async def _chunks(request: Request, reply: _Reply, first, events: AsyncIterator,
             if isinstance(event, TextDelta):
                 yield reply.chunk({"content": event.text})
             elif isinstance(event, AnswerDone):
+                record_answer(request, event)
                 yield reply.chunk({"annotations": reply.annotations(event.answer)})
                 yield reply.chunk({}, event.finish_reason)
                 if include_usage:

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from rag.answering import Admitted, AnswerDone
 from rag.api.deps import PrincipalDep, RagDep
 from rag.api.errors import rag_error_response
+from rag.api.observability import record_answer
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
 from rag.api.streaming import EventStream, sse, until_disconnected
 from rag.errors import DeadlineExceeded, NotFoundError, RagError
@@ -54,6 +55,7 @@ async def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep, reques
         async for event in events:
             if isinstance(event, AnswerDone):
                 done = event
+                record_answer(request, event)
         answer = done.answer if done else prepared.answer
         return QueryResponse(question=answer.question, user=principal.user, answer=answer.text,
                              citations=citations_out(answer), timings_ms=timings_ms(answer),
@@ -77,6 +79,7 @@ async def _sse_body(request: Request, answer: Answer, user: str, first, events: 
             if isinstance(event, TextDelta):
                 yield sse({"type": "delta", "text": event.text}, event="delta")
             elif isinstance(event, AnswerDone):
+                record_answer(request, event)
                 yield sse({"type": "done", "answer": event.answer.text, "finish_reason": event.finish_reason,
                            "timings_ms": timings_ms(event.answer), "usage": _usage(event)}, event="done")
     except RagError as exc:
