@@ -3,6 +3,10 @@
 Keys look like `rag_<id>_<secret>`. Only a SHA-256 of the whole key is stored (keys are
 random 256-bit secrets, so a fast hash is enough); lookup is by the public id part and
 the hash is compared in constant time, so timing says nothing about other keys.
+
+A key is of one of two kinds: a user key stands for its user and groups; a proxy key stands
+for a front end (Open WebUI, LibreChat, LiteLLM) that names its end user in a request header,
+whose groups then come from the user directory (see permissions/proxy.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from permissions.models import Principal, check_name
-from rag.errors import AuthenticationError, NotFoundError
+from rag.errors import AuthenticationError, ConfigError, NotFoundError, PermissionDenied
 from rag.sqlite_threads import ThreadConnections
 
 SCHEMA = """
@@ -35,9 +39,12 @@ CREATE TABLE IF NOT EXISTS api_keys (
     groups TEXT NOT NULL,
     label TEXT,
     created_at REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0
+    revoked INTEGER NOT NULL DEFAULT 0,
+    kind TEXT NOT NULL DEFAULT 'user'
 );
 """
+
+USER_KEY, PROXY_KEY = "user", "proxy"
 
 _KEY_PREFIX = "rag_"
 
@@ -50,6 +57,27 @@ class KeyInfo:
     label: str | None
     created_at: float
     revoked: bool
+    kind: str = USER_KEY
+
+    @property
+    def is_proxy(self) -> bool:
+        return self.kind == PROXY_KEY
+
+
+@dataclass(frozen=True)
+class AuthenticatedKey:
+    """A valid key: its id, its kind, and for a user key the principal it stands for.
+
+    A proxy key's `principal` is None: the user comes from the request (permissions/proxy.py).
+    """
+
+    key_id: str
+    kind: str
+    principal: Principal | None
+
+    @property
+    def is_proxy(self) -> bool:
+        return self.kind == PROXY_KEY
 
 
 def _hash(key: str) -> str:
@@ -70,6 +98,17 @@ class IdentityStore:
         # One connection per thread: the API authenticates from many worker threads at once.
         self._conns = ThreadConnections(open_connection)
         self.conn.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        # Catalogs from before proxy keys: every existing key stays a user key.
+        columns = {r[1] for r in self.conn.execute("PRAGMA table_info(api_keys)")}
+        if "kind" not in columns:
+            try:
+                self.conn.execute(f"ALTER TABLE api_keys ADD COLUMN kind TEXT NOT NULL DEFAULT '{USER_KEY}'")
+            except sqlite3.OperationalError as e:  # another process migrated it first
+                if "duplicate column" not in str(e):
+                    raise
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -94,6 +133,11 @@ class IdentityStore:
         return [Principal(r[0], frozenset(json.loads(r[1])))
                 for r in self.conn.execute("SELECT name, groups FROM users ORDER BY name")]
 
+    def registered(self, user: str) -> Principal | None:
+        """A user of the directory (never a system user), or None if not registered."""
+        row = self.conn.execute("SELECT groups FROM users WHERE name = ?", (user,)).fetchone()
+        return None if row is None else Principal(user, frozenset(json.loads(row[0])))
+
     def principal_for(self, user: str, extra_groups: list[str] | tuple[str, ...] = ()) -> Principal:
         """Resolve a user name to a principal: the directory first, then the system's.
 
@@ -116,16 +160,40 @@ class IdentityStore:
 
     # -- keys --------------------------------------------------------------------------
 
-    def create_key(self, user: str, groups: list[str] | tuple[str, ...] = (),
-                   label: str | None = None) -> str:
-        """Create a key for a user with these groups; returns the key (shown once)."""
-        principal = Principal(check_name(user, "user"), frozenset(groups))
+    def create_key(self, user: str | None, groups: list[str] | tuple[str, ...] = (),
+                   label: str | None = None, proxy: bool = False) -> str:
+        """Create a key; returns the key (shown once).
+
+        Args:
+            user: the user a user key stands for (None for a proxy key).
+            groups: that user's groups (a proxy key takes none: they come from the directory).
+            label: a note to tell keys apart (required for a proxy key: it names the front end).
+            proxy: make a proxy key, for a front end that names its user in a header.
+
+        Raises:
+            ConfigError: a user for a proxy key, groups for one, no label for one, or no user for a user key.
+        """
         key_id = secrets.token_hex(6)
         key = f"{_KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+        if proxy:
+            if user or groups:
+                raise ConfigError("a proxy key stands for a front end, not a user: give it no user or "
+                                  "groups (they come from the request's user header and the directory)")
+            if not label:
+                raise ConfigError("a proxy key needs --label naming its front end, e.g. --label open-webui")
+            self.conn.execute(
+                "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at, kind)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (key_id, _hash(key), "", "[]", label, time.time(), PROXY_KEY),
+            )
+            return key
+        if not user:
+            raise ConfigError("a user key needs --user NAME (or make a front-end key with --proxy)")
+        principal = Principal(check_name(user, "user"), frozenset(groups))
         self.conn.execute(
-            "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (key_id, _hash(key), user, json.dumps(sorted(principal.groups)), label, time.time()),
+            "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at, kind)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key_id, _hash(key), user, json.dumps(sorted(principal.groups)), label, time.time(), USER_KEY),
         )
         # The user directory learns about key holders, so `rag query --as` knows them too.
         if self.conn.execute("SELECT 1 FROM users WHERE name = ?", (user,)).fetchone() is None:
@@ -133,7 +201,20 @@ class IdentityStore:
         return key
 
     def authenticate(self, key: str | None) -> Principal:
-        """The principal a key stands for.
+        """The principal a user key stands for.
+
+        Raises:
+            AuthenticationError: missing, malformed, unknown or revoked key (one message
+            for all, so a caller learns nothing about which keys exist).
+            PermissionDenied: a proxy key (it stands for no user; see `authenticate_key`).
+        """
+        auth = self.authenticate_key(key)
+        if auth.principal is None:
+            raise PermissionDenied("this key is a front-end key: it must name the user in a header")
+        return auth.principal
+
+    def authenticate_key(self, key: str | None) -> AuthenticatedKey:
+        """The id, kind and (for a user key) principal of a key.
 
         Raises:
             AuthenticationError: missing, malformed, unknown or revoked key (one message
@@ -146,18 +227,20 @@ class IdentityStore:
             raise failure
         key_id = key[len(_KEY_PREFIX):].split("_", 1)[0]
         row = self.conn.execute(
-            "SELECT key_hash, user, groups, revoked FROM api_keys WHERE key_id = ?", (key_id,)
+            "SELECT key_hash, user, groups, revoked, kind FROM api_keys WHERE key_id = ?", (key_id,)
         ).fetchone()
         stored = row[0] if row else _hash("x")
         if not hmac.compare_digest(_hash(key), stored) or row is None or row[3]:
             raise failure
-        return Principal(row[1], frozenset(json.loads(row[2])))
+        if row[4] == PROXY_KEY:
+            return AuthenticatedKey(key_id, PROXY_KEY, None)
+        return AuthenticatedKey(key_id, USER_KEY, Principal(row[1], frozenset(json.loads(row[2]))))
 
     def list_keys(self) -> list[KeyInfo]:
         return [
-            KeyInfo(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], bool(r[5]))
+            KeyInfo(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], bool(r[5]), r[6])
             for r in self.conn.execute(
-                "SELECT key_id, user, groups, label, created_at, revoked FROM api_keys"
+                "SELECT key_id, user, groups, label, created_at, revoked, kind FROM api_keys"
                 " ORDER BY created_at"
             )
         ]

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from rag.cli_audit import audit_app
 from rag.cli_db import db_app
 from rag.cli_engine import engine_app
 from rag.cli_index import index_app
@@ -31,6 +32,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(users_app, name="users")
 app.add_typer(index_app, name="index")
 app.add_typer(engine_app, name="engine")
+app.add_typer(audit_app, name="audit")
 
 _state: dict[str, object] = {}
 
@@ -270,12 +272,15 @@ def collections(store: Store = None, dsn: Dsn = None) -> None:
 
 @keys_app.command("create")
 def keys_create(
-    user: Annotated[str, typer.Option("--user", help="the user this key stands for")],
+    user: Annotated[str | None, typer.Option("--user", help="the user this key stands for")] = None,
     group: Annotated[list[str] | None, typer.Option("--group", "-g", help="group of the user (repeatable)")] = None,
     label: Annotated[str | None, typer.Option(help="a note to tell keys apart")] = None,
+    proxy: Annotated[bool, typer.Option(
+        "--proxy", help="a front-end key (Open WebUI, LibreChat, LiteLLM): it names its user in a header "
+        "(proxy_user_headers), who must be registered with `rag users add`; groups come from there")] = False,
 ) -> None:
     """Create an API key; it is printed once and stored only as a hash."""
-    key = _rag().identity.create_key(user, group or [], label)
+    key = _rag().identity.create_key(user, group or [], label, proxy=proxy)
     typer.echo(key)
 
 
@@ -284,6 +289,9 @@ def keys_list() -> None:
     """List keys (ids, users, groups; never the keys themselves)."""
     for k in _rag().identity.list_keys():
         state = "revoked" if k.revoked else "active"
+        if k.is_proxy:
+            typer.echo(f"{k.key_id}  (proxy: names its user in a header)  {state}  {k.label or ''}")
+            continue
         typer.echo(f"{k.key_id}  {k.user}  groups={','.join(k.groups) or '-'}  {state}  {k.label or ''}")
 
 

@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     # Cache counters tell when other users' requests shared KV: enable only where every key holder
     # is trusted (operators, tests).
     expose_engine_metrics: bool = False
+    # Proxy keys (`rag keys create --proxy`): the request headers that name the end user, first
+    # present wins; the user must be registered, and the groups always come from the directory.
+    proxy_user_headers: list[str] = Field(
+        default=["X-OpenWebUI-User-Email", "X-OpenWebUI-User-Name", "X-Forwarded-User"])
+    # The audit log (HOME/audit.jsonl) keeps a SHA-256 of each question; true keeps the text too.
+    audit_questions: bool = False
     # GET /metrics (Prometheus, no key): request counts, latencies, engine and admission gauges, no
     # text or names. Do not expose it publicly (cache counters are totals over all users): bind it
     # to the monitoring network or turn it off.

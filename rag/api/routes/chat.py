@@ -18,12 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rag.answering import Admitted, AnswerDone
-from rag.api.deps import PrincipalDep, RagDep
+from rag.api.deps import AuditedPrincipalDep, PrincipalDep, RagDep
 from rag.api.errors import ApiError, rag_error_response
 from rag.api.observability import record_answer
 from rag.api.openai_schemas import ChatCompletionRequest, parse_body
 from rag.api.routes.query import prepare_with_deadline
 from rag.api.streaming import EventStream, sse, until_disconnected
+from rag.audit import audit_event, audited_stream
 from rag.citations import marker_spans
 from rag.conversation import parse_conversation
 from rag.errors import RagError
@@ -42,7 +43,7 @@ async def list_models(rag: RagDep, principal: PrincipalDep) -> dict:
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, rag: RagDep, principal: PrincipalDep):
+async def chat_completions(request: Request, rag: RagDep, principal: AuditedPrincipalDep):
     body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     conversation = parse_conversation([m.model_dump() for m in body.messages])
     if not await asyncio.to_thread(rag.can_read_collection, body.model, principal):
@@ -69,10 +70,11 @@ async def chat_completions(request: Request, rag: RagDep, principal: PrincipalDe
                 done = event
                 record_answer(request, event)
         assert done is not None
+        await audit_event(request, done.answer)
         return JSONResponse(reply.completion(done))
     first = await anext(events, None)  # a generation slot first: a full queue is a real 429
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventStream(_chunks(request, reply, first, events, include_usage))
+    return EventStream(audited_stream(request, prepared.answer, _chunks(request, reply, first, events, include_usage)))
 
 
 def _document_url(request: Request, collection: str):

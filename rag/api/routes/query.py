@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from rag.answering import Admitted, AnswerDone
-from rag.api.deps import PrincipalDep, RagDep
+from rag.api.deps import AuditedPrincipalDep, RagDep
 from rag.api.errors import rag_error_response
 from rag.api.observability import record_answer
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
 from rag.api.streaming import EventStream, sse, until_disconnected
+from rag.audit import audit_event, audited_stream
 from rag.errors import DeadlineExceeded, NotFoundError, RagError
 from rag.generator import TextDelta
 from rag.types import Answer
@@ -39,7 +40,7 @@ async def prepare_with_deadline(rag, deadline: float, **kwargs):
 
 
 @router.post("/query", response_model=QueryResponse)
-async def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep, request: Request):
+async def query(body: QueryRequest, rag: RagDep, principal: AuditedPrincipalDep, request: Request):
     deadline = time.monotonic() + rag.settings.request_timeout
     if body.collection is not None and body.collection != rag.settings.collection:
         # A collection the key can read nothing in answers like one that does not exist (and the
@@ -57,12 +58,14 @@ async def query(body: QueryRequest, rag: RagDep, principal: PrincipalDep, reques
                 done = event
                 record_answer(request, event)
         answer = done.answer if done else prepared.answer
+        await audit_event(request, answer)
         return QueryResponse(question=answer.question, user=principal.user, answer=answer.text,
                              citations=citations_out(answer), timings_ms=timings_ms(answer),
                              usage=_usage(done))
     # Wait for a generation slot before the headers go out: a full queue is a real 429.
     first = await anext(events, None)
-    return EventStream(_sse_body(request, prepared.answer, principal.user, first, events))
+    return EventStream(audited_stream(request, prepared.answer,
+                                      _sse_body(request, prepared.answer, principal.user, first, events)))
 
 
 async def _sse_body(request: Request, answer: Answer, user: str, first, events: AsyncIterator) -> AsyncIterator[str]:
