@@ -55,6 +55,20 @@ class AdmissionControl:
             return AdmissionSnapshot(self._in_flight, len(self._waiters), self.max_in_flight, self.max_queued,
                                      self._num_admitted, self._num_rejected)
 
+    def check(self) -> None:
+        """Refuse now, before any retrieval work, when every slot and queue place is taken.
+
+        Only a fast path: a request that passes may still be refused when it asks for its slot.
+
+        Raises:
+            OverloadedError: the queue is full.
+        """
+        with self._lock:
+            if self._in_flight >= self.max_in_flight and len(self._waiters) >= self.max_queued:
+                self._num_rejected += 1
+                retry = self._retry_after_locked()
+                raise OverloadedError(f"the service is busy: retry in {retry:.0f} s", retry_after=retry)
+
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[float]:
         """Hold a generation slot; yields the seconds spent waiting for it.

@@ -145,3 +145,19 @@ def test_no_generation_needed_yields_the_fixed_text():
     p.answer.text, p.request = "I don't know.", None
     events = asyncio.run(collect(answer_events(p, None, AdmissionControl(1, 0))))
     assert [type(e) for e in events] == [TextDelta, AnswerDone] and events[0].text == "I don't know."
+
+
+def test_check_refuses_early_only_when_slots_and_queue_are_full():
+    admission = AdmissionControl(1, 1)
+
+    async def main():
+        gens = [Scripted([f"x{i}." for i in range(5)], pause=0.05) for _ in range(2)]
+        admission.check()  # empty: passes
+        tasks = [asyncio.create_task(collect(answer_events(prepared(), g, admission))) for g in gens]
+        await asyncio.sleep(0.02)
+        with pytest.raises(OverloadedError):
+            admission.check()
+        await asyncio.gather(*tasks)
+        admission.check()  # drained: passes again
+
+    asyncio.run(main())

@@ -50,6 +50,7 @@ async def chat_completions(request: Request, rag: RagDep, principal: AuditedPrin
         # The same answer for a collection that does not exist and one this key cannot read.
         raise ApiError(404, f"the model {body.model!r} does not exist", param="model", code="model_not_found")
     deadline = time.monotonic() + rag.settings.request_timeout
+    rag.admission.check()  # a full queue is refused before retrieval spends any work on it
     prepared = await prepare_with_deadline(rag, deadline, question=conversation.question, principal=principal,
                                            collection=body.model, history=conversation.history,
                                            retrieval_query=conversation.retrieval_query)

@@ -42,6 +42,7 @@ async def prepare_with_deadline(rag, deadline: float, **kwargs):
 @router.post("/query", response_model=QueryResponse)
 async def query(body: QueryRequest, rag: RagDep, principal: AuditedPrincipalDep, request: Request):
     deadline = time.monotonic() + rag.settings.request_timeout
+    rag.admission.check()  # a full queue is refused before retrieval spends any work on it
     if body.collection is not None and body.collection != rag.settings.collection:
         # A collection the key can read nothing in answers like one that does not exist (and the
         # store's own message, which lists every collection, never reaches the client).
