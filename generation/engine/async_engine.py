@@ -59,7 +59,9 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        """False as soon as the engine failed or began shutting down (the thread may still be exiting)."""
+        with self._cv:
+            return self._error is None and not self._stopping and self._thread.is_alive()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None, namespace: NamespaceSpec = None
