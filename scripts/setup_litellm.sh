@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The LiteLLM proxy, for the test that puts it in front of `rag serve`
+# (tests/rag/test_litellm_proxy.py) and for trying examples/chat-frontends/litellm.yaml.
+# Its own virtualenv, .venv-litellm (it never touches .venv): LiteLLM pins many packages of its
+# own and needs no torch. Idempotent: nothing to do when .venv-litellm/bin/litellm already runs
+# as the pinned version. A fresh install takes about 40 s here (~700 MB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LITELLM_VERSION=1.108.7
+VENV=.venv-litellm
+PYTHON=${PYTHON:-python3}
+
+works() {
+  [ -x "$VENV/bin/litellm" ] \
+    && LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/litellm" --version 2>/dev/null \
+       | grep -q "Current Version = $LITELLM_VERSION\$"
+}
+
+if works; then
+  echo "== litellm $LITELLM_VERSION already in $VENV"
+  exit 0
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+echo "== installing litellm[proxy]==$LITELLM_VERSION into $VENV"
+# Exit status 3: pip could not install it (no registry reachable, no such release): callers may skip.
+log=$(mktemp)
+if ! "$VENV/bin/python" -m pip install -q "litellm[proxy]==$LITELLM_VERSION" >"$log" 2>&1; then
+  grep -v "^WARNING: Location .* is ignored" "$log" | tail -20 >&2
+  rm -f "$log"
+  echo "setup_litellm: pip could not install litellm[proxy]==$LITELLM_VERSION" >&2
+  exit 3
+fi
+rm -f "$log"
+works || { echo "setup_litellm: $VENV/bin/litellm does not run after the install" >&2; exit 1; }
+echo "== litellm $LITELLM_VERSION ready in $VENV"
