@@ -2,42 +2,21 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import pytest
-import uvicorn
 
 from rag.api.app import create_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.rag.live_server import serving
 
 
 @pytest.fixture(scope="module")
 def server(lab_rag):
-    port = _free_port()
-    app = create_app(lab_rag.settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 120
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.1)
     keys = {
         "bob": lab_rag.identity.create_key("bob", ["imaging"]),
         "dave": lab_rag.identity.create_key("dave", []),
     }
-    yield f"http://127.0.0.1:{port}", keys
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(lab_rag.settings)) as url:
+        yield url, keys
 
 
 def _query(url, key, **body):

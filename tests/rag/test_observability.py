@@ -10,18 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from rag.api.app import create_app
 from rag.api.logs import JsonFormatter
+from tests.rag.live_server import serving
 
 QUESTION = "Which GPU nodes can I use?"
 CHAT_QUESTION = "How do I submit a job to the GPU partition?"
@@ -41,12 +38,6 @@ class _Lines(logging.Handler):
         self.lines.append(self.format(record))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live(lab_rag):
     settings = lab_rag.settings.model_copy(update={
@@ -58,18 +49,9 @@ def live(lab_rag):
     root.addHandler(captured)
     rag_logger.setLevel(logging.INFO)  # every rag.* INFO line is checked for leaks too
     app = create_app(settings)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.1)
     key = lab_rag.identity.create_key("bob", ["imaging"])
-    yield f"http://127.0.0.1:{port}", key, captured
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield url, key, captured
     root.removeHandler(captured)
     rag_logger.setLevel(old_level)
 

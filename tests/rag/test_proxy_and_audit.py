@@ -9,40 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from rag.api.app import create_app
 from rag.audit import AUDIT_FILE
+from tests.rag.live_server import serving
 
 GENOMICS_Q = "What temperature is the -80 freezer alarm set to?"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(settings):
-    app = create_app(settings, preload=False)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.1)
-    return server, thread, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +28,10 @@ def live(lab_rag):
     settings = lab_rag.settings.model_copy(update={
         "device": "cpu", "max_new_tokens": 4, "engine_num_kv_blocks": 256, "engine_max_num_seqs": 2,
         "request_timeout": 120.0})
-    server, thread, url = _serve(settings)
     ids = lab_rag.identity
     keys = {"bob": ids.create_key("bob", ["imaging"]), "proxy": ids.create_key(None, label="open-webui", proxy=True)}
-    yield url, keys, lab_rag.settings.home / AUDIT_FILE
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(settings, preload=False)) as url:
+        yield url, keys, lab_rag.settings.home / AUDIT_FILE
 
 
 def _query(url, key, headers=None, **body):
@@ -177,12 +153,8 @@ def test_every_question_is_audited_without_its_text(live, lab_rag):
 
 def test_audit_questions_keeps_the_question_text(lab_rag, tmp_path):
     settings = lab_rag.settings.model_copy(update={"device": "cpu", "audit_questions": True})
-    server, thread, url = _serve(settings)
-    try:
+    with serving(create_app(settings, preload=False)) as url:
         key = lab_rag.identity.create_key("bob", ["imaging"])
         assert _query(url, key, question="Which GPU nodes can I use? (kept)").status_code == 200
         (entry,) = _entries(lab_rag.settings.home / AUDIT_FILE, key)
         assert entry["question"] == "Which GPU nodes can I use? (kept)" and entry["status"] == 200
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)

@@ -6,22 +6,14 @@ real engine's step function: the injected fault) with the packaged models.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from rag.api.app import create_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.rag.live_server import serving
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +22,9 @@ def live(lab_rag):
         "device": "cpu", "max_new_tokens": 8, "engine_num_kv_blocks": 256, "engine_max_num_seqs": 2,
         "top_k": 2, "request_timeout": 120.0})
     app = create_app(settings)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.1)
     key = lab_rag.identity.create_key("bob", ["imaging"])
-    yield app, f"http://127.0.0.1:{port}", key
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield app, url, key
 
 
 def test_engine_failure_is_503_and_readyz_says_so_and_retrieval_goes_on(live):
