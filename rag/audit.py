@@ -35,7 +35,9 @@ class AuditLog:
         self._fd: int | None = None
 
     def write(self, entry: dict[str, Any]) -> None:
-        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        # Refused requests are logged too, and their text may not be valid Unicode (a lone
+        # surrogate escape): keep such characters escaped rather than fail the write.
+        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "backslashreplace")
         with self._lock:
             if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +122,7 @@ async def audit_event(request, answer=None, status: int = 200, stream: bool = Fa
         "key_id": state.key_id,
         "via_proxy": state.via_proxy,
         "collection": collection if isinstance(collection, str) else request.app.state.rag.settings.collection,
-        "question_sha256": hashlib.sha256(question.encode()).hexdigest() if question is not None else None,
+        "question_sha256": _sha256(question) if question is not None else None,
         "cited": _cited(answer),
         "status": status,
         "latency_ms": round((time.monotonic() - state.started) * 1000, 1),
@@ -171,3 +173,8 @@ def _cited(answer) -> list[str]:
     if answer is None:
         return []
     return list(dict.fromkeys(c.document_key for c in answer.citations))
+
+
+def _sha256(text: str) -> str:
+    # surrogatepass: a refused question may hold a lone surrogate, which strict UTF-8 cannot encode.
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

@@ -67,7 +67,29 @@ def parse_json_body(raw: bytes, schema: type[Body], max_bytes: int) -> Body:
         raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if has_lone_surrogate(data):
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate escape: "
+                            "send valid Unicode")
     try:
         return schema.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+def has_lone_surrogate(value: object) -> bool:
+    """Whether a decoded JSON value holds a string that is not valid Unicode (a lone surrogate).
+
+    JSON allows "\\ud800" escapes that decode to text no UTF-8 encoder (tokenizers, SQLite, logs)
+    accepts; refusing them here keeps them from failing deep inside the pipeline.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_lone_surrogate(v) for v in value)
+    return False

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from rag.openai_wire import has_lone_surrogate
 
 
 class QueryRequest(BaseModel):
@@ -15,6 +17,13 @@ class QueryRequest(BaseModel):
     mode: Literal["dense", "keyword", "hybrid"] | None = Field(
         default=None, description="retrieval legs (default: the server's setting, hybrid)")
     stream: bool = Field(default=False, description="server-sent events: citations, text deltas, then timings")
+
+    @field_validator("question", "collection")
+    @classmethod
+    def _valid_unicode(cls, v: str | None) -> str | None:
+        if v is not None and has_lone_surrogate(v):
+            raise ValueError("holds a lone UTF-16 surrogate escape: send valid Unicode")
+        return v
 
 
 class CitationOut(BaseModel):

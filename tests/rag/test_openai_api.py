@@ -295,3 +295,16 @@ def test_sampling_fields_are_honoured_and_unknown_fields_ignored(service):
     assert " " not in stopped.choices[0].message.content.strip()
     again = _ask(client, RESERVATION_Q, stop=[" "], temperature=0.0, seed=7)
     assert again.choices[0].message.content == stopped.choices[0].message.content
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "gpu \\ud800 nodes"}]}'),
+    ("/v1/query", b'{"question": "gpu \\ud800 nodes", "generate": false}'),
+    ("/v1/query", b'{"question": "gpu \\ud800 nodes", "stream": true}'),
+])
+def test_a_lone_surrogate_is_a_clear_4xx_not_a_500(service, path, body):
+    r = httpx.post(f"{service.url}{path}", content=body, timeout=60,
+                   headers={**service.auth("bob"), "content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    assert "ud800" not in r.text and "Traceback" not in r.text
+    assert httpx.get(f"{service.url}/readyz", timeout=10).status_code == 200
