@@ -18,7 +18,7 @@ from rag.admission import AdmissionControl
 from rag.citations import MarkerFilter
 from rag.errors import DeadlineExceeded
 from rag.generator import GenerationDone, GenerationRequest, Generator, TextDelta
-from rag.prompts import is_repeating, trim_repetition
+from rag.prompts import RepeatGuard, trim_repetition
 from rag.types import Answer
 
 
@@ -89,7 +89,7 @@ async def answer_events(prepared: PreparedAnswer, generator: Generator | None, a
         yield AnswerDone(answer, "stop", Usage())
         return
     markers = MarkerFilter(len(answer.citations))
-    raw = ""
+    guard = RepeatGuard()
     done: GenerationDone | None = None
     finish = "stop"
     remaining = None if deadline is None else deadline - time.monotonic()
@@ -105,19 +105,18 @@ async def answer_events(prepared: PreparedAnswer, generator: Generator | None, a
                         break
                     if "ttft" not in timings:
                         timings["ttft"] = time.perf_counter() - t
-                    raw += event.text
-                    shown = markers.feed(event.text)
+                    shown = guard.feed(markers.feed(event.text))
                     if shown:
                         yield TextDelta(shown)
-                    if any(c in event.text for c in ".!?\n") and is_repeating(raw):
+                    if guard.repeated:
                         break  # a small model looping: closing the stream aborts the request
             timings["generate"] = time.perf_counter() - t
     except TimeoutError as exc:
         raise DeadlineExceeded("the answer took longer than the request deadline; it was stopped") from exc
-    tail = markers.flush()
+    tail = guard.feed(markers.flush()) + guard.flush()
     if tail:
         yield TextDelta(tail)
-    answer.text = trim_repetition(markers.text)
+    answer.text = trim_repetition(guard.text)
     if done is not None:
         finish = done.finish_reason
     timings["total"] = time.perf_counter() - prepared.started

@@ -119,3 +119,64 @@ def is_repeating(text: str) -> bool:
         finished = finished[:-1]  # the last sentence is still being written
     keys = [_key(s) for s in finished]
     return len(keys) != len(set(keys))
+
+
+class RepeatGuard:
+    """Streams answer text but never shows a sentence the answer already said.
+
+    Small greedy models loop. Text is passed on as it comes, except while the sentence being
+    written still matches the start of an earlier one: that part is held until it diverges
+    (then shown) or completes as a repeat (then dropped, and `repeated` says to stop generating).
+    """
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self._sentence = ""  # the sentence being written, shown part and held part
+        self._held = ""
+        self.text = ""  # everything shown
+        self.repeated = False
+
+    def feed(self, delta: str) -> str:
+        """The part of `delta` (and of what was held) that is safe to show now."""
+        out = ""
+        for ch in delta:
+            if self.repeated:
+                break
+            prev = self._sentence[-1:] if self._sentence else ""
+            if ch == "\n" or (ch.isspace() and prev in (".", "!", "?")):
+                out += self._complete()
+                out += self._show(ch)
+                continue
+            self._sentence += ch
+            self._held += ch
+            if not self._could_repeat():
+                out += self._show_held()
+        if not self.repeated and self._sentence.rstrip()[-1:] in (".", "!", "?"):
+            out += self._complete()  # a sentence that ends the delta counts as finished
+        return out
+
+    def flush(self) -> str:
+        return "" if self.repeated else self._complete()
+
+    def _could_repeat(self) -> bool:
+        key = _key(self._sentence)
+        return any(said.startswith(key) for said in self._said)
+
+    def _complete(self) -> str:
+        key = _key(self._sentence)
+        if key and key in self._said:
+            self.repeated = True
+            self._sentence = self._held = ""
+            return ""
+        if key:
+            self._said.add(key)
+        self._sentence = ""
+        return self._show_held()
+
+    def _show_held(self) -> str:
+        held, self._held = self._held, ""
+        return self._show(held)
+
+    def _show(self, text: str) -> str:
+        self.text += text
+        return text

@@ -161,3 +161,23 @@ def test_check_refuses_early_only_when_slots_and_queue_are_full():
         admission.check()  # drained: passes again
 
     asyncio.run(main())
+
+
+def test_a_repeated_sentence_is_never_streamed():
+    pieces = ["The nodes are gpu07", " and gpu08.\n\n", "Book them first.\n", "The nodes", " are gpu07", " and gpu08.",
+              " more text."]
+    gen = Scripted(pieces)
+    events = asyncio.run(collect(answer_events(prepared(), gen, AdmissionControl(1, 0))))
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert streamed.count("gpu07") == 1 and "Book them first." in streamed and "more text" not in streamed
+    assert gen.closed == 1 and len(gen.pulled) == 6  # stopped at the repeat
+
+
+def test_a_sentence_that_starts_like_an_earlier_one_but_differs_is_shown():
+    from rag.prompts import RepeatGuard
+
+    guard = RepeatGuard()
+    out = guard.feed("Use gpu07. ") + guard.feed("Use gpu") + guard.feed("08 instead.") + guard.flush()
+    assert out == "Use gpu07. Use gpu08 instead." and not guard.repeated
+    held = RepeatGuard()
+    assert held.feed("Use gpu07. ") == "Use gpu07. " and held.feed("Use gpu") == ""  # held: may be a repeat
