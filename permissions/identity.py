@@ -234,7 +234,12 @@ class IdentityStore:
             raise failure
         if row[4] == PROXY_KEY:
             return AuthenticatedKey(key_id, PROXY_KEY, None)
-        return AuthenticatedKey(key_id, USER_KEY, Principal(row[1], frozenset(json.loads(row[2]))))
+        # A registered user's groups come from the directory at request time, so a change of
+        # groups (`rag users add`) applies to keys made before it; the key's own groups serve
+        # users who are not in the directory.
+        directory = self.conn.execute("SELECT groups FROM users WHERE name = ?", (row[1],)).fetchone()
+        groups = json.loads(directory[0]) if directory is not None else json.loads(row[2])
+        return AuthenticatedKey(key_id, USER_KEY, Principal(row[1], frozenset(groups)))
 
     def list_keys(self) -> list[KeyInfo]:
         return [

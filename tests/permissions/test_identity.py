@@ -88,3 +88,13 @@ def test_names_and_acl_entries_are_checked():
     p = Principal("u", frozenset({"g"}))
     assert p.can_read({"group:g"}) and p.can_read({"public"}) and not p.can_read({"group:h"})
     assert not p.can_read(set())
+
+
+def test_a_registered_users_key_follows_the_directorys_groups(ids):
+    ids.add_user("alice", ["genomics"])
+    key = ids.create_key("alice")  # no --group: the directory says genomics
+    assert ids.authenticate(key).groups == {"genomics"}
+    ids.add_user("alice", [])      # removed from genomics: the key loses it at once
+    assert ids.authenticate(key).groups == frozenset()
+    stale = ids.create_key("carl", ["x"])  # not registered: the key's own groups
+    assert ids.authenticate(stale).groups == {"x"}
