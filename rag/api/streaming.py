@@ -89,3 +89,15 @@ async def until_disconnected(request: Request, events: AsyncIterator[T], poll: f
             except StopAsyncIteration:
                 return
             yield item
+
+
+async def after_admission(first: Any, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The answer's events once its slot is granted: `first` (read before the headers) then the rest,
+    without the Admitted marker."""
+    from rag.answering import Admitted
+
+    if first is not None and not isinstance(first, Admitted):
+        yield first
+    async for event in events:
+        if not isinstance(event, Admitted):
+            yield event

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from rag.answering import Admitted, AnswerDone
+from rag.answering import AnswerDone
 from rag.api.deps import AuditedPrincipalDep, PrincipalDep, RagDep
 from rag.api.errors import ApiError, rag_error_response
 from rag.api.observability import record_answer
 from rag.api.openai_schemas import ChatCompletionRequest, parse_body
 from rag.api.routes.query import prepare_with_deadline
-from rag.api.streaming import EventStream, sse, until_disconnected
+from rag.api.streaming import EventStream, after_admission, sse, until_disconnected
 from rag.audit import audit_event, audited_stream
 from rag.citations import marker_spans
 from rag.conversation import parse_conversation
@@ -129,13 +129,7 @@ class _Reply:
 async def _chunks(request: Request, reply: _Reply, first, events: AsyncIterator, include_usage: bool):
     yield reply.chunk({"role": "assistant", "content": ""})
     try:
-        pending = [first] if first is not None else []
-        while True:
-            event = pending.pop() if pending else await anext(events, None)
-            if event is None:
-                break
-            if isinstance(event, Admitted):
-                continue
+        async for event in after_admission(first, events):
             if isinstance(event, TextDelta):
                 yield reply.chunk({"content": event.text})
             elif isinstance(event, AnswerDone):

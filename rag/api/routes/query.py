@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from rag.answering import Admitted, AnswerDone
+from rag.answering import AnswerDone
 from rag.api.deps import AuditedPrincipalDep, RagDep
 from rag.api.errors import rag_error_response
 from rag.api.observability import record_answer
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
-from rag.api.streaming import EventStream, sse, until_disconnected
+from rag.api.streaming import EventStream, after_admission, sse, until_disconnected
 from rag.audit import audit_event, audited_stream
 from rag.errors import DeadlineExceeded, NotFoundError, RagError
 from rag.generator import TextDelta
@@ -73,13 +73,7 @@ async def _sse_body(request: Request, answer: Answer, user: str, first, events: 
     yield sse({"type": "citations", "question": answer.question, "user": user,
                "citations": [c.model_dump() for c in citations_out(answer)]}, event="citations")
     try:
-        pending = [first] if first is not None else []
-        while True:
-            event = pending.pop() if pending else await anext(events, None)
-            if event is None:
-                return
-            if isinstance(event, Admitted):
-                continue
+        async for event in after_admission(first, events):
             if isinstance(event, TextDelta):
                 yield sse({"type": "delta", "text": event.text}, event="delta")
             elif isinstance(event, AnswerDone):
