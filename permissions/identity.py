@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     label TEXT,
     created_at REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0,
-    kind TEXT NOT NULL DEFAULT 'user'
+    kind TEXT NOT NULL DEFAULT 'user',
+    scope TEXT
 );
 """
 
@@ -58,6 +59,7 @@ class KeyInfo:
     created_at: float
     revoked: bool
     kind: str = USER_KEY
+    scope: tuple[str, ...] | None = None  # a user key restricted to these of its user's groups
 
     @property
     def is_proxy(self) -> bool:
@@ -101,14 +103,31 @@ class IdentityStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        # Catalogs from before proxy keys: every existing key stays a user key.
+        # Catalogs from before proxy keys (every existing key stays a user key) and before
+        # key scopes (NULL: the key has all of its user's groups).
+        self._add_column("kind", f"TEXT NOT NULL DEFAULT '{USER_KEY}'")
+        if self._add_column("scope", "TEXT"):
+            # Before this release a key of a user missing from the directory carried its own
+            # groups. From now on groups come only from the directory, so such users are
+            # registered once, with their keys' groups, and keep exactly the access they had.
+            for user, groups in self.conn.execute(
+                    "SELECT user, groups FROM api_keys WHERE kind = ? AND revoked = 0"
+                    " AND user NOT IN (SELECT name FROM users)", (USER_KEY,)).fetchall():
+                known = self.registered(user)
+                self.add_user(user, sorted(set(json.loads(groups)) | (known.groups if known else set())))
+
+    def _add_column(self, name: str, declaration: str) -> bool:
+        """Add a column to api_keys unless it is there; True when this call added it."""
         columns = {r[1] for r in self.conn.execute("PRAGMA table_info(api_keys)")}
-        if "kind" not in columns:
-            try:
-                self.conn.execute(f"ALTER TABLE api_keys ADD COLUMN kind TEXT NOT NULL DEFAULT '{USER_KEY}'")
-            except sqlite3.OperationalError as e:  # another process migrated it first
-                if "duplicate column" not in str(e):
-                    raise
+        if name in columns:
+            return False
+        try:
+            self.conn.execute(f"ALTER TABLE api_keys ADD COLUMN {name} {declaration}")
+        except sqlite3.OperationalError as e:  # another process migrated it first
+            if "duplicate column" not in str(e):
+                raise
+            return False
+        return True
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -161,24 +180,32 @@ class IdentityStore:
     # -- keys --------------------------------------------------------------------------
 
     def create_key(self, user: str | None, groups: list[str] | tuple[str, ...] = (),
-                   label: str | None = None, proxy: bool = False) -> str:
+                   label: str | None = None, proxy: bool = False,
+                   scope: list[str] | tuple[str, ...] | None = None) -> str:
         """Create a key; returns the key (shown once).
+
+        A user key identifies its user: its groups come from the user directory at request
+        time. `groups` only registers a user who is not in the directory yet; `scope` narrows a
+        key to some of its user's groups (it can never widen them).
 
         Args:
             user: the user a user key stands for (None for a proxy key).
-            groups: that user's groups (a proxy key takes none: they come from the directory).
+            groups: groups to register a new user with (a registered user keeps theirs; a proxy
+                key takes none: they come from the directory).
             label: a note to tell keys apart (required for a proxy key: it names the front end).
             proxy: make a proxy key, for a front end that names its user in a header.
+            scope: restrict the key to these groups of its user (None: all of them).
 
         Raises:
-            ConfigError: a user for a proxy key, groups for one, no label for one, or no user for a user key.
+            ConfigError: a user, groups or scope for a proxy key, no label for one, no user for a
+            user key, groups that differ from a registered user's, or a scope outside them.
         """
         key_id = secrets.token_hex(6)
         key = f"{_KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
         if proxy:
-            if user or groups:
-                raise ConfigError("a proxy key stands for a front end, not a user: give it no user or "
-                                  "groups (they come from the request's user header and the directory)")
+            if user or groups or scope is not None:
+                raise ConfigError("a proxy key stands for a front end, not a user: give it no user, "
+                                  "groups or scope (they come from the request's user header and the directory)")
             if not label:
                 raise ConfigError("a proxy key needs --label naming its front end, e.g. --label open-webui")
             self.conn.execute(
@@ -189,15 +216,26 @@ class IdentityStore:
             return key
         if not user:
             raise ConfigError("a user key needs --user NAME (or make a front-end key with --proxy)")
-        principal = Principal(check_name(user, "user"), frozenset(groups))
+        check_name(user, "user")
+        registered = self.registered(user)
+        if registered is None:
+            # The user directory learns about key holders, so `rag query --as` knows them too.
+            registered = self.add_user(user, sorted(set(groups)))
+        elif groups and set(groups) != registered.groups:
+            raise ConfigError(
+                f"{user} is registered with groups {_listing(registered.groups)}, and a key takes its "
+                f"groups from there: change them with `rag users add {user} -g ...`, or narrow this key "
+                "with --scope GROUP")
+        scoped = None if scope is None else sorted(set(scope))
+        if scoped is not None and not set(scoped) <= registered.groups:
+            outside = sorted(set(scoped) - registered.groups)
+            raise ConfigError(f"a scope can only narrow a key: {user} is not in {_listing(outside)}")
         self.conn.execute(
-            "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at, kind)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (key_id, _hash(key), user, json.dumps(sorted(principal.groups)), label, time.time(), USER_KEY),
+            "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at, kind, scope)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (key_id, _hash(key), user, json.dumps(sorted(registered.groups)), label, time.time(), USER_KEY,
+             None if scoped is None else json.dumps(scoped)),
         )
-        # The user directory learns about key holders, so `rag query --as` knows them too.
-        if self.conn.execute("SELECT 1 FROM users WHERE name = ?", (user,)).fetchone() is None:
-            self.add_user(user, sorted(principal.groups))
         return key
 
     def authenticate(self, key: str | None) -> Principal:
@@ -227,25 +265,34 @@ class IdentityStore:
             raise failure
         key_id = key[len(_KEY_PREFIX):].split("_", 1)[0]
         row = self.conn.execute(
-            "SELECT key_hash, user, groups, revoked, kind FROM api_keys WHERE key_id = ?", (key_id,)
+            "SELECT key_hash, user, groups, revoked, kind, scope FROM api_keys WHERE key_id = ?", (key_id,)
         ).fetchone()
         stored = row[0] if row else _hash("x")
         if not hmac.compare_digest(_hash(key), stored) or row is None or row[3]:
             raise failure
         if row[4] == PROXY_KEY:
             return AuthenticatedKey(key_id, PROXY_KEY, None)
-        # A registered user's groups come from the directory at request time, so a change of
-        # groups (`rag users add`) applies to keys made before it; the key's own groups serve
-        # users who are not in the directory.
-        directory = self.conn.execute("SELECT groups FROM users WHERE name = ?", (row[1],)).fetchone()
-        groups = json.loads(directory[0]) if directory is not None else json.loads(row[2])
-        return AuthenticatedKey(key_id, USER_KEY, Principal(row[1], frozenset(groups)))
+        # The groups come from the directory at request time, so a change of groups (`rag users
+        # add`) applies to keys made before it. The groups stored with the key are a record of
+        # its creation, never a source of access: a user missing from the directory (a
+        # database edited by hand, a key from an older version) gets no groups (fail closed).
+        scope = None if row[5] is None else json.loads(row[5])
+        return AuthenticatedKey(key_id, USER_KEY, Principal(row[1], self.key_groups(row[1], scope)))
+
+    def key_groups(self, user: str, scope: list[str] | tuple[str, ...] | None) -> frozenset[str]:
+        """The groups a request with a user key gets now: the directory's, narrowed by the scope."""
+        registered = self.registered(user)
+        groups = set() if registered is None else set(registered.groups)
+        if scope is not None:
+            groups &= set(scope)  # a scope narrows, never widens
+        return frozenset(groups)
 
     def list_keys(self) -> list[KeyInfo]:
         return [
-            KeyInfo(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], bool(r[5]), r[6])
+            KeyInfo(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], bool(r[5]), r[6],
+                    None if r[7] is None else tuple(json.loads(r[7])))
             for r in self.conn.execute(
-                "SELECT key_id, user, groups, label, created_at, revoked, kind FROM api_keys"
+                "SELECT key_id, user, groups, label, created_at, revoked, kind, scope FROM api_keys"
                 " ORDER BY created_at"
             )
         ]
@@ -254,6 +301,10 @@ class IdentityStore:
         cur = self.conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?", (key_id,))
         if cur.rowcount == 0:
             raise NotFoundError(f"no API key with id {key_id!r} (see `rag keys list`)")
+
+
+def _listing(groups: set[str] | frozenset[str] | list[str]) -> str:
+    return ", ".join(sorted(groups)) or "(no groups)"
 
 
 def system_groups(user: str) -> set[str] | None:

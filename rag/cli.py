@@ -273,26 +273,33 @@ def collections(store: Store = None, dsn: Dsn = None) -> None:
 @keys_app.command("create")
 def keys_create(
     user: Annotated[str | None, typer.Option("--user", help="the user this key stands for")] = None,
-    group: Annotated[list[str] | None, typer.Option("--group", "-g", help="group of the user (repeatable)")] = None,
+    group: Annotated[list[str] | None, typer.Option(
+        "--group", "-g", help="register a new user with this group (repeatable); a registered user's key "
+        "takes their groups from the directory (`rag users add`) at every request")] = None,
+    scope: Annotated[list[str] | None, typer.Option(
+        "--scope", help="restrict the key to this one of its user's groups (repeatable); never widens")] = None,
     label: Annotated[str | None, typer.Option(help="a note to tell keys apart")] = None,
     proxy: Annotated[bool, typer.Option(
         "--proxy", help="a front-end key (Open WebUI, LibreChat, LiteLLM): it names its user in a header "
         "(proxy_user_headers), who must be registered with `rag users add`; groups come from there")] = False,
 ) -> None:
     """Create an API key; it is printed once and stored only as a hash."""
-    key = _rag().identity.create_key(user, group or [], label, proxy=proxy)
+    key = _rag().identity.create_key(user, group or [], label, proxy=proxy, scope=scope or None)
     typer.echo(key)
 
 
 @keys_app.command("list")
 def keys_list() -> None:
-    """List keys (ids, users, groups; never the keys themselves)."""
-    for k in _rag().identity.list_keys():
+    """List keys (ids, users, their groups now, scopes; never the keys themselves)."""
+    identity = _rag().identity
+    for k in identity.list_keys():
         state = "revoked" if k.revoked else "active"
         if k.is_proxy:
             typer.echo(f"{k.key_id}  (proxy: names its user in a header)  {state}  {k.label or ''}")
             continue
-        typer.echo(f"{k.key_id}  {k.user}  groups={','.join(k.groups) or '-'}  {state}  {k.label or ''}")
+        groups = identity.key_groups(k.user, k.scope)
+        scope = "" if k.scope is None else f"  scope={','.join(k.scope) or '-'}"
+        typer.echo(f"{k.key_id}  {k.user}  groups={','.join(sorted(groups)) or '-'}{scope}  {state}  {k.label or ''}")
 
 
 @keys_app.command("revoke")

@@ -96,5 +96,55 @@ def test_a_registered_users_key_follows_the_directorys_groups(ids):
     assert ids.authenticate(key).groups == {"genomics"}
     ids.add_user("alice", [])      # removed from genomics: the key loses it at once
     assert ids.authenticate(key).groups == frozenset()
-    stale = ids.create_key("carl", ["x"])  # not registered: the key's own groups
-    assert ids.authenticate(stale).groups == {"x"}
+    first = ids.create_key("carl", ["x"])  # not registered yet: registers carl with x
+    assert ids.registered("carl").groups == {"x"} and ids.authenticate(first).groups == {"x"}
+
+
+def test_a_key_never_carries_groups_of_its_own(ids):
+    ids.add_user("alice", ["genomics"])
+    with pytest.raises(ConfigError, match="registered with groups genomics"):
+        ids.create_key("alice", ["imaging"])  # would have been a silent widening
+    key = ids.create_key("alice", ["genomics"])  # the same groups: fine
+    # A user missing from the directory (a hand-edited database, a key from an older version)
+    # gets no groups from the key's creation record: fail closed.
+    ids.conn.execute("DELETE FROM users WHERE name = 'alice'")
+    assert ids.authenticate(key).groups == frozenset()
+
+
+def test_a_scope_narrows_a_key_and_never_widens_it(ids):
+    ids.add_user("alice", ["genomics", "imaging"])
+    scoped = ids.create_key("alice", scope=["imaging"])
+    assert ids.authenticate(scoped).groups == {"imaging"}
+    ids.add_user("alice", ["genomics"])  # alice leaves imaging: the scoped key has nothing left
+    assert ids.authenticate(scoped).groups == frozenset()
+    ids.add_user("alice", ["genomics", "imaging", "shared"])  # joins more: the scope still holds
+    assert ids.authenticate(scoped).groups == {"imaging"}
+    with pytest.raises(ConfigError, match="only narrow"):
+        ids.create_key("alice", scope=["finance"])
+    with pytest.raises(ConfigError, match="no user, groups or scope"):
+        ids.create_key(None, label="webui", proxy=True, scope=["imaging"])
+    assert [k.scope for k in ids.list_keys()] == [("imaging",)]
+
+
+def test_keys_made_before_scopes_existed_keep_working(tmp_path):
+    import sqlite3
+
+    from permissions.identity import IdentityStore
+    path = tmp_path / "identity.db"
+    old = sqlite3.connect(path)  # the schema of the previous release: no scope column
+    old.executescript("""
+        CREATE TABLE users (name TEXT PRIMARY KEY, groups TEXT NOT NULL, created_at REAL NOT NULL);
+        CREATE TABLE api_keys (key_id TEXT PRIMARY KEY, key_hash TEXT NOT NULL, user TEXT NOT NULL,
+            groups TEXT NOT NULL, label TEXT, created_at REAL NOT NULL, revoked INTEGER NOT NULL DEFAULT 0,
+            kind TEXT NOT NULL DEFAULT 'user');
+        INSERT INTO users VALUES ('bob', '["imaging"]', 0);
+    """)
+    import hashlib
+    key = "rag_abc123_secret"
+    old.execute("INSERT INTO api_keys VALUES ('abc123', ?, 'bob', '[\"imaging\"]', NULL, 0, 0, 'user')",
+                (hashlib.sha256(key.encode()).hexdigest(),))
+    old.commit()
+    old.close()
+    ids = IdentityStore(path)
+    assert ids.authenticate(key).groups == {"imaging"}
+    assert ids.list_keys()[0].scope is None

@@ -94,6 +94,20 @@ def test_keys_create_list_revoke(home):
     assert "revoked" in _run(["keys", "list"], home).stdout
 
 
+def test_keys_list_shows_the_groups_a_request_gets_now(home):
+    _run(["users", "add", "lena", "--group", "team", "--group", "lab"], home)
+    full = _run(["keys", "create", "--user", "lena"], home).stdout.strip()
+    scoped = _run(["keys", "create", "--user", "lena", "--scope", "lab"], home).stdout.strip()
+    _run(["users", "add", "lena", "--group", "lab"], home)  # lena leaves team
+    rows = {line.split()[0]: line for line in _run(["keys", "list"], home).stdout.splitlines()}
+    assert "groups=lab " in rows[full.split("_")[1]] + " "
+    assert "groups=lab  scope=lab" in rows[scoped.split("_")[1]]
+    widen = _run(["keys", "create", "--user", "lena", "--group", "finance"], home)
+    assert widen.returncode == 2 and "registered with groups lab" in widen.stderr
+    outside = _run(["keys", "create", "--user", "lena", "--scope", "team"], home)
+    assert outside.returncode == 2 and "only narrow" in outside.stderr
+
+
 def test_help_explains_commands(home):
     r = _run(["--help"], home)
     assert r.returncode == 0
