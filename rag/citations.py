@@ -76,3 +76,15 @@ def marker_spans(text: str, numbers: Iterable[int]) -> dict[int, tuple[int, int]
             if n in wanted and n not in spans:
                 spans[n] = (match.start(), match.end())
     return spans
+
+
+def shown_source(source: str) -> str:
+    """The name of a source as users see it: never an absolute server path.
+
+    Sources are stored as paths under their ingest root (ingest/source_names.py); a collection
+    ingested before that may still hold absolute paths, which are cut to the file name (and a
+    JSONL record's `#id`) until the next `rag ingest --rebuild`.
+    """
+    if source.startswith("/"):
+        return source.rsplit("/", 1)[-1]
+    return source
