@@ -16,6 +16,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Property-based tests (the fuzz suites): "default" keeps CI quick; HYPOTHESIS_PROFILE=slow
+# runs 10,000+ examples in all for a hardening session. No deadline: real models and real
+# servers make single examples slow without anything being wrong.
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("default", max_examples=25, deadline=None, derandomize=False)
+    _hypothesis_settings.register_profile("slow", max_examples=1000, deadline=None,
+                                          stateful_step_count=30)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+except ImportError:  # the GPU machine runs only `gpu` tests and may lack hypothesis
+    pass
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
