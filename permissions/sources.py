@@ -19,6 +19,8 @@ and below; it overrides POSIX permissions::
   (`**/*.pdf` is every PDF below), `[abc]` is a character class. A pattern that matches a
   directory governs everything below it (`match = "private"`).
 - Only the keys `allow` and `rule` (and, in a rule, `match` and `allow`) are accepted.
+- A sidecar with neither `allow` nor any rule (an empty or truncated file) is an error: it
+  was put there to decide, and passing over it would hand its files a wider ACL.
 
 Resolution for a file F: visit F's directory, then its parents, up to the filesystem root.
 The nearest sidecar that decides for F wins: its last rule whose `match` matches F, else its
@@ -26,9 +28,11 @@ The nearest sidecar that decides for F wins: its last rule whose `match` matches
 Sidecars above the ingest root count too: "this directory and below" still holds when someone
 ingests only a subdirectory, and dropping a restrictive parent sidecar could only widen access.
 
-A sidecar that cannot be used (bad TOML, unknown keys, bad entries) makes every file whose
-resolution reaches it fail with `SidecarError`: such files are skipped and reported, never
-given the (possibly more permissive) POSIX ACL.
+A sidecar that cannot be used (bad TOML, unknown keys, bad entries, unreadable, not a regular
+file) makes every file whose resolution reaches it fail with `SidecarError`: the ACL of such
+files cannot be determined, and callers must deny them (ingest stores them with an empty ACL
+until the sidecar is fixed), never give them the (possibly more permissive) POSIX ACL, nor
+keep an older ACL that the sidecar may have been changed to narrow.
 
 POSIX
 -----
@@ -42,6 +46,9 @@ the group but allows others, like 0604, still lets group members read through "p
 Directories above the ingest root are not checked: corpora are often staged under a private
 directory (a 0700 home, a service account's spool) whose mode says nothing about the
 documents' audience, and that would otherwise turn every ACL into "admins only".
+An owner or group with no name on this machine (no passwd/group entry, or a name the ACL syntax
+rejects) raises `PosixNameError` unless the file is public anyway: a numeric stand-in such as
+"user:1234" could name somebody else in the user directory.
 """
 
 from __future__ import annotations
@@ -61,8 +68,16 @@ from rag.errors import ConfigError
 SIDECAR_NAME = ".rag-acl.toml"
 
 
-class SidecarError(ConfigError):
-    """A `.rag-acl.toml` file cannot be used; the files it would govern are skipped."""
+class AclError(ConfigError):
+    """A file's ACL cannot be determined: nobody may read it until the cause is fixed."""
+
+
+class SidecarError(AclError):
+    """A `.rag-acl.toml` file cannot be used; nobody may read the files it would govern."""
+
+
+class PosixNameError(AclError):
+    """A file's owner or group has no usable name on this machine, so its POSIX ACL is unknown."""
 
 
 # ---------------------------------------------------------------------------------- POSIX
@@ -81,6 +96,7 @@ def posix_acl(path: Path, root: Path | None = None) -> frozenset[str]:
 
     Raises:
         OSError: the file (or a directory on the way) cannot be stat'ed.
+        PosixNameError: the owner or group that may read it has no usable name (not public).
     """
     return _PosixAcl().acl(path, root)
 
@@ -107,13 +123,11 @@ class _PosixAcl:
                 can_group = bool(ds.st_mode & bit)
             if can_owner:
                 can_owner = self._owner_can_search(st.st_uid, ds)
-        acl: set[str] = set()
+        acl: set[str] = {PUBLIC} if can_other else set()
         if can_owner:
-            acl.add(_user_entry(st.st_uid))
+            acl |= _named_entry(path, "user", st.st_uid, is_public=can_other)
         if can_group:
-            acl.add(_group_entry(st.st_gid))
-        if can_other:
-            acl.add(PUBLIC)
+            acl |= _named_entry(path, "group", st.st_gid, is_public=can_other)
         return frozenset(acl)
 
     def _dir_stat(self, d: Path) -> os.stat_result:
@@ -152,19 +166,27 @@ def _dirs_between(start: Path, root: Path | None) -> list[Path]:
     return dirs
 
 
-def _user_entry(uid: int) -> str:
-    try:
-        return normalize_entry(f"user:{pwd.getpwuid(uid).pw_name}")
-    except (KeyError, ConfigError):
-        # No passwd entry (e.g. files from another system), or a name the ACL syntax rejects.
-        return f"user:{uid}"
+def _named_entry(path: Path, kind: str, num: int, is_public: bool) -> set[str]:
+    """{"user:NAME"} / {"group:NAME"} for a uid / gid.
 
-
-def _group_entry(gid: int) -> str:
+    One with no usable name is left out of a public file's ACL (everyone may read it anyway)
+    and raises PosixNameError otherwise.
+    """
     try:
-        return normalize_entry(f"group:{grp.getgrgid(gid).gr_name}")
-    except (KeyError, ConfigError):
-        return f"group:{gid}"
+        name = pwd.getpwuid(num).pw_name if kind == "user" else grp.getgrgid(num).gr_name
+        return {normalize_entry(f"{kind}:{name}")}
+    except KeyError:
+        if is_public:
+            return set()
+        why = "has no name on this machine (no passwd/group entry)"
+    except ConfigError as e:
+        if is_public:
+            return set()
+        why = f"has a name the ACL syntax rejects ({e})"
+    what = "owner uid" if kind == "user" else "group gid"
+    raise PosixNameError(
+        f"cannot determine the POSIX ACL of {path}: its {what} {num} {why}; nobody may read it "
+        f"until it is fixed: add a sidecar {SIDECAR_NAME} with allow = [...], or chown/chgrp it")
 
 
 # -------------------------------------------------------------------------------- sidecars
@@ -216,6 +238,10 @@ def load_sidecar(path: Path) -> Sidecar:
     raw_rules = data.get("rule", [])
     if not isinstance(raw_rules, list):
         raise SidecarError(_sidecar_msg(path, "'rule' must be an array of tables ([[rule]])"))
+    if allow is None and not raw_rules:
+        # Empty or truncated: passing over it would give its files a parent's or POSIX's ACL.
+        raise SidecarError(_sidecar_msg(path, "it has neither 'allow' nor any [[rule]]: write "
+                                              "allow = [...] (allow = [] for nobody), or delete it"))
     rules: list[_Rule] = []
     for n, raw in enumerate(raw_rules, 1):
         where = f"rule {n}"
@@ -249,7 +275,7 @@ def _acl_field(path: Path, value: object, what: str) -> frozenset[str]:
 
 
 def _sidecar_msg(path: Path, problem: str) -> str:
-    return f"unusable ACL file {path}: {problem} (files it governs are skipped until it is fixed)"
+    return f"unusable ACL file {path}: {problem} (nobody may read the files it governs until it is fixed)"
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
@@ -312,6 +338,7 @@ class AclResolver:
 
         Raises:
             SidecarError: the sidecar that would decide cannot be used.
+            PosixNameError: POSIX decides, and names an owner or group that has no usable name.
             OSError: the file cannot be stat'ed (POSIX case).
         """
         path = Path(os.path.abspath(path))
@@ -334,10 +361,9 @@ class AclResolver:
         if d not in self._sidecars:
             p = d / SIDECAR_NAME
             try:
-                present = p.is_file()  # False for "no such file"; raises on e.g. EACCES
-            except OSError as e:
-                # Cannot tell whether a sidecar is there: guessing "no" could widen access.
-                self._sidecars[d] = SidecarError(_sidecar_msg(p, f"cannot check: {e}"))
+                present = _sidecar_present(p)
+            except SidecarError as e:
+                self._sidecars[d] = e
             else:
                 if not present:
                     self._sidecars[d] = None
@@ -347,3 +373,26 @@ class AclResolver:
                     except SidecarError as e:
                         self._sidecars[d] = e
         return self._sidecars[d]
+
+
+def _sidecar_present(p: Path) -> bool:
+    """Whether a sidecar file is at `p`; SidecarError when that cannot be told for sure.
+
+    Only "nothing at all by that name" counts as absent: a directory, a FIFO or a dangling
+    symlink named like a sidecar was meant to decide, and guessing "no sidecar" could widen access.
+    """
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        try:
+            p.lstat()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise SidecarError(_sidecar_msg(p, f"cannot check: {e}")) from e
+        raise SidecarError(_sidecar_msg(p, "it is a symbolic link to nothing")) from None
+    except OSError as e:  # e.g. EACCES on the directory
+        raise SidecarError(_sidecar_msg(p, f"cannot check: {e}")) from e
+    if not stat.S_ISREG(st.st_mode):
+        raise SidecarError(_sidecar_msg(p, "it is not a regular file"))
+    return True

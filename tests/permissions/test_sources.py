@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from permissions.sources import AclResolver, SidecarError, load_sidecar, posix_acl
+from permissions.sources import AclResolver, PosixNameError, SidecarError, load_sidecar, posix_acl
 from rag.errors import ConfigError
 
 IS_ROOT = os.geteuid() == 0
@@ -55,7 +55,7 @@ def test_posix_mode_bits(root: Path, mode: int, want: set[str]) -> None:
 
 
 @needs_root
-def test_posix_names_and_numeric_fallback(tmp_path: Path) -> None:
+def test_posix_names_and_no_numeric_fallback(tmp_path: Path) -> None:
     f = write(tmp_path / "f.md")
     f.chmod(0o640)
     os.chown(f, 65534, 65534)
@@ -65,7 +65,20 @@ def test_posix_names_and_numeric_fallback(tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         pwd.getpwuid(unknown)
     os.chown(f, unknown, unknown)
-    assert posix_acl(f) == frozenset({f"user:{unknown}", f"group:{unknown}"})
+    # A numeric stand-in ("user:54321") could name another registered user: no guessing.
+    with pytest.raises(PosixNameError, match="owner uid 54321 has no name"):
+        posix_acl(f)
+    f.chmod(0o600)  # only the owner may read: only their name is needed
+    with pytest.raises(PosixNameError, match="owner uid 54321"):
+        posix_acl(f)
+    os.chown(f, 65534, unknown)
+    f.chmod(0o640)
+    with pytest.raises(PosixNameError, match="group gid 54321"):
+        posix_acl(f)
+    # Public anyway: the unnamed entries would add nobody, so they are left out.
+    os.chown(f, unknown, unknown)
+    f.chmod(0o644)
+    assert posix_acl(f) == frozenset({"public"})
 
 
 @pytest.mark.parametrize(
@@ -254,6 +267,9 @@ def test_sidecar_above_the_ingest_root_still_applies(tmp_path: Path) -> None:
         ('[[rule]]\nmatch = "../x.md"\nallow = ["user:a"]\n', "may not start with / or contain"),
         ('[[rule]]\nmatch = ""\nallow = ["user:a"]\n', "non-empty glob"),
         ('[rule]\nmatch = "x"\nallow = ["user:a"]\n', "array of tables"),
+        ('Allow = ["group:genomics"]\n', "unknown keys ['Allow']"),  # a typo'd key
+        ("", "neither 'allow' nor any [[rule]]"),  # empty or truncated
+        ("# allow = []\n", "neither 'allow' nor any [[rule]]"),
     ],
 )
 def test_broken_sidecar_never_falls_back(tmp_path: Path, text: str, fragment: str) -> None:
@@ -290,13 +306,42 @@ def test_sidecar_that_cannot_be_checked_is_refused(
     f = write(tmp_path / "d" / "f.md")
     f.chmod(0o644)
     blocked = tmp_path / "d" / ".rag-acl.toml"
-    real_is_file = Path.is_file
+    real_stat = Path.stat
 
-    def is_file(self: Path) -> bool:
+    def stat(self: Path, *args: object, **kwargs: object) -> os.stat_result:
         if self == blocked:
             raise PermissionError(13, "Permission denied", str(self))
-        return real_is_file(self)
+        return real_stat(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "is_file", is_file)
+    monkeypatch.setattr(Path, "stat", stat)
     with pytest.raises(SidecarError, match="cannot check"):
         AclResolver(tmp_path).resolve(f)
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling symlink", "fifo"])
+def test_something_named_like_a_sidecar_is_not_absent(tmp_path: Path, kind: str) -> None:
+    # Only "nothing by that name" means no sidecar: anything else was put there to decide.
+    f = write(tmp_path / "f.md")
+    f.chmod(0o644)
+    p = tmp_path / ".rag-acl.toml"
+    if kind == "directory":
+        p.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(p)
+    else:
+        p.symlink_to(tmp_path / "moved-away.toml")
+    with pytest.raises(SidecarError, match="symbolic link to nothing|not a regular file"):
+        AclResolver(tmp_path).resolve(f)
+
+
+@pytest.mark.skipif(IS_ROOT, reason="root reads files whatever their mode")
+def test_unreadable_sidecar_is_refused(tmp_path: Path) -> None:
+    f = write(tmp_path / "f.md")
+    f.chmod(0o644)
+    sc = sidecar(tmp_path, 'allow = ["user:alice"]\n')
+    sc.chmod(0o000)
+    try:
+        with pytest.raises(SidecarError, match="cannot read"):
+            AclResolver(tmp_path).resolve(f)
+    finally:
+        sc.chmod(0o644)
