@@ -4,7 +4,10 @@ SQLite is the source of truth of the embedded default. Vectors are kept here too
 blobs), so a Faiss index file is only a cache that can always be rebuilt: a crash between
 a catalog commit and an index save loses nothing. Every write to a collection bumps its
 `version`, which names the index file that matches it. The FTS5 keyword index lives in the
-same file and is kept in step by triggers, so it commits or rolls back with the chunks.
+same file, one table per ACL domain (`retrieval.keyword_domains`), written in the same
+transactions as the chunks, so it commits or rolls back with them. Deleted text does not stay
+in the file: secure_delete zeroes freed space, and `purge_removed_text` rewrites the keyword
+tables that had removals and empties the WAL.
 
 A collection rebuilt with another embedder or chunking (`retrieval.rebuild`) is written as a
 hidden collection `NAME@G` (G its generation, the "version 2" users see) beside the live one,
@@ -15,6 +18,7 @@ the plain name, so readers never need to know about generations.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,7 +30,8 @@ import numpy as np
 from rag.errors import NotFoundError, StoreError
 from rag.sqlite_threads import ThreadConnections
 from rag.types import Chunk, Document
-from retrieval.keyword import bm25_over_readable, fts5_match, query_terms
+from retrieval import keyword_domains
+from retrieval.keyword import bm25_over_readable, query_terms
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS collections (
@@ -70,28 +75,9 @@ CREATE TABLE IF NOT EXISTS chunks (
 CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id);
 """
 
-# The keyword index: an external-content FTS5 table over the chunks (no second copy of the
-# text), kept in step by triggers. Triggers rather than calls in replace_document and
-# _delete_document, because chunks also disappear through ON DELETE CASCADE and any future
-# write path would have to remember the index; a trigger runs inside the writing statement's
-# transaction, so an interrupted write leaves neither the chunks nor the index half-done.
-# Tokenizer: unicode61 splits identifiers at '-', '_' and '.', and fts5_match() quotes every
-# query term as a phrase, so `E-VCF-017` matches "e vcf 017" in order, whatever the
-# punctuation around it; porter folds "cancel"/"cancellation" and "nodes"/"node".
-KEYWORD_TABLE = "chunks_fts"
-KEYWORD_SCHEMA = (
-    "CREATE VIRTUAL TABLE chunks_fts USING fts5(text, heading, content='chunks',"
-    " content_rowid='id', tokenize='porter unicode61 remove_diacritics 2')",
-    "CREATE TRIGGER chunks_fts_insert AFTER INSERT ON chunks BEGIN"
-    " INSERT INTO chunks_fts (rowid, text, heading) VALUES (new.id, new.text, new.heading); END",
-    "CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN"
-    " INSERT INTO chunks_fts (chunks_fts, rowid, text, heading)"
-    " VALUES ('delete', old.id, old.text, old.heading); END",
-    "CREATE TRIGGER chunks_fts_update AFTER UPDATE OF text, heading ON chunks BEGIN"
-    " INSERT INTO chunks_fts (chunks_fts, rowid, text, heading)"
-    " VALUES ('delete', old.id, old.text, old.heading);"
-    " INSERT INTO chunks_fts (rowid, text, heading) VALUES (new.id, new.text, new.heading); END",
-)
+# The keyword index is one FTS5 table per ACL domain (`retrieval.keyword_domains`): a search
+# reads only the domains the principal may read, so its work never depends on unreadable text.
+# The single table with triggers that came before is dropped and rebuilt as domains on open.
 # bm25 column weights (text, heading): a term in a section heading says more about the chunk
 # than the same term in its body (the heading is also the first line of the text).
 KEYWORD_WEIGHTS = (1.0, 2.0)
@@ -99,6 +85,8 @@ KEYWORD_WEIGHTS = (1.0, 2.0)
 # Hidden generations of a collection are named NAME@G; '@' is not allowed in collection names
 # (`rag.settings.check_collection_name`), so they can never clash with a user's collection.
 GENERATION_SEP = "@"
+
+log = logging.getLogger(__name__)
 
 
 def generation_name(name: str, generation: int) -> str:
@@ -153,6 +141,12 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA synchronous=NORMAL")
+    # Deleted rows and freed pages are overwritten with zeros, so a deleted document's text
+    # cannot be read back from the file (the WAL is emptied by Catalog.purge_removed_text).
+    conn.execute("PRAGMA secure_delete=ON")
+    if conn.execute("PRAGMA secure_delete").fetchone()[0] != 1:
+        conn.close()
+        raise StoreError(f"SQLite refused secure_delete on {path}: deleted text would stay in the file")
     return conn
 
 
@@ -262,11 +256,15 @@ class Catalog:
         deleted = 0
         while True:
             with self._transaction():
-                ids = [r[0] for r in self.conn.execute(
-                    "SELECT id FROM documents WHERE collection = ? LIMIT ?", (name, batch))]
-                if not ids:
+                docs = self.conn.execute(
+                    "SELECT id, acl FROM documents WHERE collection = ? LIMIT ?", (name, batch)).fetchall()
+                if not docs:
+                    keyword_domains.drop_collection_domains(self.conn, name)
                     self.conn.execute("DELETE FROM collections WHERE name = ?", (name,))
                     return deleted
+                ids = [d[0] for d in docs]
+                for doc_id, acl in docs:
+                    keyword_domains.unindex_chunks(self.conn, name, acl, self._chunk_texts(doc_id))
                 marks = ",".join("?" * len(ids))
                 self.conn.execute(f"DELETE FROM documents WHERE id IN ({marks})", ids)
                 self._bump(name)
@@ -340,12 +338,13 @@ class Catalog:
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         with self._transaction():
             removed = self._delete_document(collection, doc.key)
+            acl_json = json.dumps(sorted(acl))
             cur = self.conn.execute(
                 "INSERT INTO documents (collection, key, source, title, content_hash, acl,"
                 " metadata, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     collection, doc.key, doc.source, doc.title, doc.content_hash,
-                    json.dumps(sorted(acl)), json.dumps(doc.metadata, sort_keys=True, default=str),
+                    acl_json, json.dumps(doc.metadata, sort_keys=True, default=str),
                     time.time(),
                 ),
             )
@@ -362,6 +361,9 @@ class Catalog:
                     ),
                 )
                 added.append(int(cur.lastrowid))
+            keyword_domains.index_chunks(
+                self.conn, collection, acl_json,
+                [(cid, c.text, c.heading, c.num_tokens) for cid, c in zip(added, chunks, strict=True)])
             self._bump(collection)
         return removed, added
 
@@ -369,13 +371,19 @@ class Catalog:
         """Change who may read a document without touching its chunks or vectors."""
         with self._transaction():
             row = self.conn.execute(
-                "SELECT id FROM documents WHERE collection = ? AND key = ?", (collection, key)
+                "SELECT id, acl FROM documents WHERE collection = ? AND key = ?", (collection, key)
             ).fetchone()
             if row is None:
                 raise NotFoundError(f"no document {key!r} in collection {collection!r}")
+            new_acl = json.dumps(sorted(acl))
+            if new_acl != row[1]:
+                # The chunks move to the new ACL's domain; the old one is purged of them later.
+                texts = self._chunk_texts(row[0])
+                keyword_domains.unindex_chunks(self.conn, collection, row[1], texts)
+                keyword_domains.index_chunks(self.conn, collection, new_acl, texts)
             self.conn.execute(
                 "UPDATE documents SET acl = ?, updated_at = ? WHERE id = ?",
-                (json.dumps(sorted(acl)), time.time(), row[0]),
+                (new_acl, time.time(), row[0]),
             )
             self.conn.execute("DELETE FROM document_acl WHERE document_id = ?", (row[0],))
             self._write_acl(row[0], acl)
@@ -410,8 +418,10 @@ class Catalog:
     ) -> list[tuple[int, float]]:
         """BM25 top-k among the chunks whose document ACL names one of `tokens`.
 
-        The ACL and collection filters are part of every FTS query, so a principal who may read
-        few chunks still gets up to k of them however many unreadable chunks match better. A
+        Only the keyword tables of the collection's ACL domains that `tokens` may read are
+        searched (`retrieval.keyword_domains`), so a principal who may read few chunks still
+        gets up to k of them however many unreadable chunks match better, and the work done
+        (pages, postings, rows) depends only on readable chunks. A
         chunk matches when it contains any term of `text` (see `keyword.query_terms`). Scores
         use term statistics of the readable chunks only (`keyword.bm25_over_readable`): FTS5's
         own bm25() counts every chunk, and its scores would hint at unreadable text.
@@ -420,32 +430,59 @@ class Catalog:
             (chunk id, score) best first (higher is better), ties by id; [] when `tokens` is
             empty or `text` has no usable terms.
         """
-        tokens = sorted(set(tokens))
         terms = query_terms(text)
-        if not tokens or not terms or k <= 0:
+        if not terms or k <= 0:
             return []
-        marks = ",".join("?" * len(tokens))
-        readable = (" JOIN chunks c ON c.id = f.rowid JOIN documents d ON d.id = c.document_id"
-                    " WHERE chunks_fts MATCH ? AND d.collection = ? AND EXISTS (SELECT 1 FROM"
-                    f" document_acl a WHERE a.document_id = d.id AND a.principal IN ({marks}))")
-        matches: dict[str, set[int]] = {}
+        # Only the FTS tables of readable domains are opened: every posting the search visits
+        # belongs to a chunk the principal may read, so its work says nothing about the rest.
+        domains = keyword_domains.readable_domains(self.conn, collection, tokens)
+        if not domains.ids:
+            return []
+        matches = keyword_domains.match(self.conn, domains, terms)
+        found = sorted(set().union(*matches.values()))
         chunks: dict[int, tuple[float, str, str | None]] = {}
-        for term in terms:
-            rows = self.conn.execute(
-                f"SELECT f.rowid, c.num_tokens, c.text, c.heading FROM chunks_fts f{readable}",
-                (fts5_match([term]), collection, *tokens),
-            ).fetchall()
-            matches[term] = {int(r[0]) for r in rows}
-            chunks.update((int(r[0]), (float(r[1]), r[2], r[3])) for r in rows)
+        for start in range(0, len(found), 500):
+            part = found[start : start + 500]
+            for cid, num_tokens, chunk_text, heading, doc_collection, acl in self.conn.execute(
+                "SELECT c.id, c.num_tokens, c.text, c.heading, d.collection, d.acl FROM chunks c"
+                f" JOIN documents d ON d.id = c.document_id WHERE c.id IN ({','.join('?' * len(part))})",
+                part,
+            ):
+                # A chunk indexed in a domain its document no longer has would be a bug: drop it.
+                if doc_collection == collection and acl in domains.acls:
+                    chunks[int(cid)] = (float(num_tokens), chunk_text, heading)
         if not chunks:
             return []
-        count, total = self.conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(c.num_tokens), 0) FROM chunks c JOIN documents d ON d.id = c.document_id"
-            f" WHERE d.collection = ? AND EXISTS (SELECT 1 FROM document_acl a WHERE a.document_id = d.id"
-            f" AND a.principal IN ({marks}))",
-            (collection, *tokens),
-        ).fetchone()
-        return bm25_over_readable(matches, chunks, int(count), float(total) / max(int(count), 1), k)
+        matches = {term: ids & chunks.keys() for term, ids in matches.items()}
+        return bm25_over_readable(matches, chunks, domains.num_chunks,
+                                  domains.num_tokens / max(domains.num_chunks, 1), k)
+
+    def purge_removed_text(self) -> bool:
+        """Make deleted and replaced text unreadable in the catalog's files.
+
+        Rewrites the keyword tables of domains that had removals (see `keyword_domains.purge`)
+        and empties the WAL, whose old frames would otherwise still hold the pages as they were
+        before the deletion. Cheap when nothing was removed. Call after a batch of writes
+        (`CollectionIndex.save` does).
+
+        Returns:
+            False when a reader kept the WAL from being emptied (logged; the next call tries
+            again): the text is unreachable through the catalog but may remain in the -wal file.
+        """
+        if keyword_domains.needs_purge(self.conn):
+            with self._transaction():
+                keyword_domains.purge(self.conn)
+        if not self._wal_has_frames():
+            return True
+        busy, _, _ = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            log.warning("could not empty the WAL of %s (a long-running reader?); removed text may "
+                        "remain in its -wal file until the next purge", self.path)
+        return not busy
+
+    def _wal_has_frames(self) -> bool:
+        wal = self.path.with_name(self.path.name + "-wal")
+        return wal.exists() and wal.stat().st_size > 0
 
     def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
         """Chunks by id with their document's key, source, title and ACL."""
@@ -537,45 +574,39 @@ class Catalog:
             (new, version, old),
         )
         self.conn.execute("UPDATE documents SET collection = ? WHERE collection = ?", (new, old))
+        keyword_domains.rename_collection(self.conn, old, new)
         self.conn.execute("DELETE FROM collections WHERE name = ?", (old,))
 
     def _ensure_keyword_index(self) -> None:
-        """Create the keyword index of a catalog made before it existed, and fill it.
+        """Build the per-domain keyword index of a catalog made before it existed (idempotent).
 
-        Idempotent, and cheap when the index is already there (no write lock is taken, so
-        opening never waits behind a running ingest). A table made with other settings (an
-        older tokenizer) is dropped and rebuilt.
+        Cheap when the index is up to date (no write lock is taken, so opening never waits
+        behind a running ingest). The single FTS5 table of older catalogs, or domains made with
+        another tokenizer, are dropped and every chunk is indexed again.
         """
-        if self._keyword_table_sql() == KEYWORD_SCHEMA[0]:
+        keyword_domains.create_tables(self.conn)
+        if not keyword_domains.needs_rebuild(self.conn):
             return
         with self._transaction():
-            if self._keyword_table_sql() == KEYWORD_SCHEMA[0]:
-                return  # another process made it while we waited for the lock
-            for trigger in ("chunks_fts_insert", "chunks_fts_delete", "chunks_fts_update"):
-                self.conn.execute(f"DROP TRIGGER IF EXISTS {trigger}")
-            self.conn.execute(f"DROP TABLE IF EXISTS {KEYWORD_TABLE}")
-            for statement in KEYWORD_SCHEMA:
-                self.conn.execute(statement)
-            # Reads every row of `chunks` into the index (the backfill of an old catalog).
-            self.conn.execute(f"INSERT INTO {KEYWORD_TABLE} ({KEYWORD_TABLE}) VALUES ('rebuild')")
-
-    def _keyword_table_sql(self) -> str | None:
-        row = self.conn.execute(
-            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (KEYWORD_TABLE,)
-        ).fetchone()
-        return None if row is None else row[0]
+            if keyword_domains.needs_rebuild(self.conn):  # another process may have built it meanwhile
+                keyword_domains.rebuild_all(self.conn)
 
     def _delete_document(self, collection: str, key: str) -> list[int]:
         row = self.conn.execute(
-            "SELECT id FROM documents WHERE collection = ? AND key = ?", (collection, key)
+            "SELECT id, acl FROM documents WHERE collection = ? AND key = ?", (collection, key)
         ).fetchone()
         if row is None:
             return []
-        removed = [r[0] for r in self.conn.execute(
-            "SELECT id FROM chunks WHERE document_id = ?", (row[0],)
-        )]
+        rows = self._chunk_texts(row[0])
+        keyword_domains.unindex_chunks(self.conn, collection, row[1], rows)
         self.conn.execute("DELETE FROM documents WHERE id = ?", (row[0],))
-        return removed
+        return [r[0] for r in rows]
+
+    def _chunk_texts(self, doc_id: int) -> list[keyword_domains.ChunkText]:
+        """(id, text, heading, num_tokens) of a document's chunks, as the keyword index holds them."""
+        return self.conn.execute(
+            "SELECT id, text, heading, num_tokens FROM chunks WHERE document_id = ? ORDER BY id", (doc_id,)
+        ).fetchall()
 
     def _write_acl(self, doc_id: int, acl: frozenset[str]) -> None:
         self.conn.executemany(

@@ -101,7 +101,12 @@ class CollectionIndex:
         return True
 
     def save(self) -> None:
-        """Persist the store under the current catalog version and drop older files."""
+        """Persist the store under the current catalog version and drop older files.
+
+        Also purges removed text from the catalog's files (`Catalog.purge_removed_text`): a
+        batch of writes ends here, so the keyword tables are rewritten once per batch.
+        """
+        self.catalog.purge_removed_text()
         if self.index_dir is None or self._path(0) is None:
             return
         # Our own writes advanced loaded_version one by one; anything more is another writer's,

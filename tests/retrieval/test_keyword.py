@@ -12,6 +12,7 @@ from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.types import Chunk, Document
 from retrieval import catalog as catalog_module
+from retrieval import keyword_domains
 from retrieval.catalog import SCHEMA, Catalog, connect
 from retrieval.keyword import MAX_TERMS, fts5_match, query_terms
 
@@ -146,7 +147,7 @@ def _keys(catalog: Catalog, results: list[tuple[int, float]]) -> list[str]:
 
 def _check_index(catalog: Catalog) -> None:
     # FTS5 compares its index with the chunks table; raises on any difference.
-    catalog.conn.execute("INSERT INTO chunks_fts (chunks_fts, rank) VALUES ('integrity-check', 1)")
+    keyword_domains.integrity_check(catalog.conn)
 
 
 @pytest.fixture
@@ -307,12 +308,14 @@ def test_an_old_catalog_is_backfilled_on_open(tmp_path):
 def test_an_index_with_an_older_tokenizer_is_rebuilt(tmp_path, monkeypatch):
     path = tmp_path / "catalog.sqlite"
     _old_catalog(path)
-    older = catalog_module.KEYWORD_SCHEMA[0].replace("porter unicode61", "unicode61")
-    monkeypatch.setattr(catalog_module, "KEYWORD_SCHEMA", (older, *catalog_module.KEYWORD_SCHEMA[1:]))
-    Catalog(path).close()
+    monkeypatch.setattr(keyword_domains, "TOKENIZE", "unicode61")
+    monkeypatch.setattr(keyword_domains, "FORMAT", "domains-1 tokenize=unicode61")
+    older = Catalog(path)
+    assert older.keyword_search("docs", "drain", 5, ["group:hpc-admins"]) == []  # no stemmer
+    older.close()
     monkeypatch.undo()
     catalog = Catalog(path)
-    assert catalog._keyword_table_sql() == catalog_module.KEYWORD_SCHEMA[0]
+    assert not keyword_domains.needs_rebuild(catalog.conn)
     # "drain" finds "drained" only with the porter stemmer of the current schema.
     assert len(catalog.keyword_search("docs", "drain", 5, ["group:hpc-admins"])) == 1
     _check_index(catalog)
