@@ -7,7 +7,6 @@ import functools
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -21,6 +20,7 @@ from generation.config import ModelConfig
 from generation.models.llama import LlamaForCausalLM
 from rag.atomic import publish_dir
 from rag.errors import ModelError
+from rag.private_files import private_mkdir
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         logger.info("reusing the converted generator in %s", target)
         return target
 
-    root.mkdir(parents=True, exist_ok=True)
+    private_mkdir(root)
     _remove_stale_tmp(root, target.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
     try:
@@ -141,22 +141,11 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         seconds = round(time.perf_counter() - started, 1)
         info = {**source_info, "source": str(gguf_path), "seconds": seconds}
         (tmp / MARKER_NAME).write_text(json.dumps(info, indent=2))
-        _make_readable(tmp)
         _publish(tmp, target, source_info)
         logger.info("converted %s in %.1f s", gguf_path.name, info["seconds"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _make_readable(folder: Path) -> None:
-    # mkdtemp makes the folder 0700 (and some writers 0600 files); a lab's shared data
-    # directory needs the converted model readable like any file the user creates.
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
 
 
 def _is_complete(target: Path, source_info: dict[str, object]) -> bool:

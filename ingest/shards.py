@@ -21,6 +21,7 @@ from ingest.chunk import Chunker, ChunkingConfig
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, shard_of
 from ingest.sources import scan_roots
 from rag.errors import ConfigError
+from rag.private_files import private_mkdir
 from rag.settings import check_collection_name
 from retrieval.catalog import Catalog, CollectionInfo
 from retrieval.index import CollectionIndex
@@ -180,7 +181,7 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
 
 def _open_shard_store(directory: Path, record: ShardRecord) -> tuple[Catalog, CollectionIndex]:
     """The shard's catalog and Faiss store, emptied first if they were built another way."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_mkdir(directory)
     catalog = Catalog(directory / "catalog.sqlite")
     info = catalog.find_collection(record.collection)
     if info is not None and (info.fingerprint, info.dim, info.chunking) != (
@@ -188,7 +189,7 @@ def _open_shard_store(directory: Path, record: ShardRecord) -> tuple[Catalog, Co
         # Built with another embedder or chunking: nothing in it can be reused or merged.
         catalog.close()
         shutil.rmtree(directory)
-        directory.mkdir(parents=True)
+        private_mkdir(directory)
         catalog = Catalog(directory / "catalog.sqlite")
         info = None
     if info is None:
@@ -204,5 +205,5 @@ def _link_models(directory: Path, model_cache: Path) -> None:
     link = directory / "models"
     if link.exists() or link.is_symlink():
         return
-    model_cache.mkdir(parents=True, exist_ok=True)
+    private_mkdir(model_cache)
     link.symlink_to(model_cache.resolve(), target_is_directory=True)

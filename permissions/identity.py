@@ -24,6 +24,7 @@ from pathlib import Path
 
 from permissions.models import Principal, check_name
 from rag.errors import AuthenticationError, ConfigError, NotFoundError, PermissionDenied
+from rag.private_files import create_private_file, private_mkdir
 from rag.sqlite_threads import ThreadConnections
 
 SCHEMA = """
@@ -90,7 +91,8 @@ class IdentityStore:
     """Users, their groups, and API keys that stand for them."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(path.parent)
+        create_private_file(path)  # 0600 before SQLite creates it with the umask's mode (-wal/-shm follow it)
 
         def open_connection() -> sqlite3.Connection:
             conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)

@@ -21,6 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rag.private_files import private_mkdir
+
 AUDIT_FILE = "audit.jsonl"
 _MAX_BODY_BYTES = 1 << 20  # a larger body is not parsed for the audit (its question is not hashed)
 
@@ -40,7 +42,7 @@ class AuditLog:
         line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "backslashreplace")
         with self._lock:
             if self._fd is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                private_mkdir(self.path.parent)
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 os.fchmod(self._fd, 0o600)  # a file made earlier with a looser mode
             os.write(self._fd, line)

@@ -334,6 +334,9 @@ def main() -> None:
     # transformers draws a "Loading weights" bar on every model load; ours is enough.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF converter's bar, too
+    # Everything a `rag` command writes is lab data (chunk text, keys, logs): owner-only even where a
+    # third-party writer ignores rag.private_files. The library itself never touches the umask.
+    os.umask(os.umask(0o077) | 0o077)
     try:
         app()
     except RagError as e:

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 from rag import pg_runtime as rt
 from rag.errors import ConfigError, StoreError
+from rag.private_files import ensure_private_dir, open_private, private_mkdir, write_private_text
 
 SUPERUSER = "postgres"
 DATABASE = "postgres"
@@ -60,9 +61,13 @@ class LocalPostgres:
         self.server_options = dict(server_options or {})
 
     @classmethod
-    def for_home(cls, home: Path, **kwargs: Any) -> LocalPostgres:
-        """The server of a RAG data directory (`<home>/postgres/`)."""
-        return cls(Path(home) / "postgres", **kwargs)
+    def for_home(cls, home: Path, *, fix_home: bool = True, **kwargs: Any) -> LocalPostgres:
+        """The server of a RAG data directory (`<home>/postgres/`).
+
+        The data directory is created owner-only, or checked like `Rag` does (rag.private_files):
+        another user's is refused, one open to others is tightened (`fix_home`) or refused.
+        """
+        return cls(ensure_private_dir(Path(home), fix=fix_home) / "postgres", **kwargs)
 
     @property
     def data_dir(self) -> Path:
@@ -101,7 +106,7 @@ class LocalPostgres:
         """
         if port is not None and not 1 <= port <= 65535:
             raise ConfigError(f"port must be between 1 and 65535, not {port}")
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.directory)
         with self._lock():
             password, is_new = self._password_or_new()
             live = self._live_port()
@@ -319,7 +324,7 @@ class LocalPostgres:
     def _save_state(self, **values: Any) -> None:
         path = self.directory / _STATE_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self._state(), **values}, indent=2) + "\n")
+        write_private_text(tmp, json.dumps({**self._state(), **values}, indent=2) + "\n")
         os.replace(tmp, path)
 
     @contextlib.contextmanager
@@ -327,7 +332,7 @@ class LocalPostgres:
         # Two `rag db start`s (or test workers) must not both initdb or pick ports.
         path = self.directory / ".lock"
         try:
-            f = open(path, "a")
+            f = open_private(path, append=True)
         except OSError as e:
             raise StoreError(f"cannot open {path} ({e.strerror}): run this as the user who owns "
                              f"{self.directory}") from e

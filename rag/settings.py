@@ -8,7 +8,9 @@ variables override the file, and CLI flags override both.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +27,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RAG_", extra="forbid", frozen=True)
 
     home: Path = Field(default=Path(".rag"), description="data directory of the embedded default")
+    # The data directory and everything in it are owner-only (0700 / 0600). An existing one that
+    # other users may read is made owner-only with a warning ("fix"), or refused ("refuse", for
+    # operators who want to look into it first). It must belong to the user running rag.
+    home_permissions: Literal["fix", "refuse"] = "fix"
     collection: str = Field(default="default", description="collection used when none is named")
     # Models: a local Hugging Face folder each; None means the packaged default
     # (all-MiniLM-L6-v2, ms-marco-MiniLM-L-12-v2, SmolLM2-135M-Instruct).
@@ -119,6 +125,7 @@ class Settings(BaseSettings):
             raise ConfigError(f"cannot read generator_api_key_file {self.generator_api_key_file}: {e.strerror}") from e
         if not key:
             raise ConfigError(f"generator_api_key_file {self.generator_api_key_file} is empty")
+        warn_if_readable_by_others(self.generator_api_key_file, "generator_api_key_file")
         return key
 
     @property
@@ -132,6 +139,18 @@ class Settings(BaseSettings):
     @property
     def model_cache(self) -> Path:
         return self.home / "models"
+
+
+def warn_if_readable_by_others(path: Path, what: str) -> None:
+    """Warn loudly about a key file that other users may read (we read it; its mode is the owner's call)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        logging.getLogger("rag.settings").warning(
+            "%s %s is readable by other users (mode %s): anyone on this machine can use the key. "
+            "Run `chmod 600 %s`.", what, path, stat.filemode(mode), path)
 
 
 def check_collection_name(name: str) -> str:

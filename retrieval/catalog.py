@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from rag.errors import NotFoundError, StoreError
+from rag.private_files import create_private_file, private_mkdir
 from rag.sqlite_threads import ThreadConnections
 from rag.types import Chunk, Document
 from retrieval import keyword_domains
@@ -134,7 +135,8 @@ class ChunkRecord:
 
 def connect(path: Path) -> sqlite3.Connection:
     """Open the catalog database with the pragmas every user of it needs."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(path.parent)
+    create_private_file(path)  # 0600 before SQLite creates it with the umask's mode (-wal/-shm follow it)
     # check_same_thread=False only so that close() may run on another thread; each connection is
     # used by the one thread that opened it (ThreadConnections).
     conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)

@@ -15,6 +15,7 @@ import numpy as np
 
 from rag.atomic import publish_dir
 from rag.errors import ModelError
+from rag.private_files import private_mkdir
 
 DEFAULT_RERANKER_NAME = "ms-marco-MiniLM-L-12-v2"
 MARKER_FILE = ".labrag-converted.json"
@@ -346,7 +347,7 @@ def convert_onnx_reranker(onnx_path: Path, out_dir: Path) -> Path:
     state = {k: torch.from_numpy(np.array(weights[k], dtype=np.float32)) for k in expected}
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

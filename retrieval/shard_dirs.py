@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rag.private_files import open_private
+
 RECORD_NAME = "shard.json"
 MERGED_NAME = "merged.json"
 _DIR_RE = re.compile(r"(\d+)-of-(\d+)")
@@ -106,7 +108,7 @@ def write_merged(home: Path, collection: str, records: dict[int, ShardRecord]) -
 
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
+    with open_private(tmp) as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())  # a preempted job must not leave a "complete" that is not on disk

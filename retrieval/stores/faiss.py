@@ -9,6 +9,7 @@ import faiss
 import numpy as np
 
 from rag.errors import StoreError
+from rag.private_files import create_private_file
 from retrieval.stores.memory import _check
 
 
@@ -61,6 +62,7 @@ class FaissStore:
     def save(self, path: Path) -> None:
         """Write atomically: a reader never sees a half-written index file."""
         tmp = path.with_suffix(path.suffix + ".tmp")
+        create_private_file(tmp)  # faiss would create it with the umask's mode; it keeps this one
         faiss.write_index(self.index, str(tmp))
         os.replace(tmp, path)
 

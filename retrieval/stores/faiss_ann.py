@@ -29,6 +29,7 @@ import faiss
 import numpy as np
 
 from rag.errors import StoreError
+from rag.private_files import open_private
 from retrieval.stores.memory import _check
 
 # At or below this many allowed rows, exhaustive search over just those rows is exact and
@@ -174,7 +175,7 @@ class _AnnStore:
         """One file holding the index and the label tables; written atomically."""
         self._sync()
         tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as f:
+        with open_private(tmp, "wb") as f:
             np.savez(f, kind=np.array(self.kind), index=faiss.serialize_index(self.index),
                      vecs=self._vecs, ext=self._ext, live=self._live)
         os.replace(tmp, path)

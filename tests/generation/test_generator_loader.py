@@ -122,9 +122,10 @@ def test_gguf_is_converted_once_then_reused(fake_gguf, tmp_path, caplog, umask_0
     assert len(calls) == 1
     assert (first / "model.safetensors").read_bytes() == b"weights"
     assert json.loads((first / loader.MARKER_NAME).read_text())["source"] == str(gguf.resolve())
-    # A shared data directory: group and others may read the conversion (umask 022).
-    assert first.stat().st_mode & 0o777 == 0o755
-    assert (first / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    # Owner-only like everything in a data directory, whatever the umask (022 here).
+    assert (cache / "generator").stat().st_mode & 0o777 == 0o700
+    assert first.stat().st_mode & 0o777 == 0o700
+    assert (first / "model.safetensors").stat().st_mode & 0o777 == 0o600
     assert "reusing the converted generator" in caplog.text
     assert [p.name for p in (cache / "generator").iterdir()] == ["Tiny.Q4"]  # no temp left
 

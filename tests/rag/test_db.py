@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from rag import pg_runtime
 from rag.cli_db import db_app
 from rag.db import LocalPostgres, local_dsn
 from rag.errors import ConfigError, StoreError
+from rag.private_files import exposed_paths
 from tests.pg_fixture import THROWAWAY_OPTIONS, fresh_database, with_dbname
 
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
@@ -29,12 +31,29 @@ IS_ROOT = os.geteuid() == 0
 
 @pytest.fixture(scope="module")
 def home() -> Iterator[Path]:
-    """A data directory that the server user can reach (pytest's tmp dirs are 0700 under root)."""
-    home = Path(tempfile.mkdtemp(prefix="rag-db-test-", dir="/tmp"))  # not $TMPDIR, which may be private
-    home.chmod(0o755)
+    """A data directory that rag creates (owner-only) in a world-traversable directory (not pytest's 0700 ones)."""
+    parent = Path(tempfile.mkdtemp(prefix="rag-db-test-", dir="/tmp"))  # not $TMPDIR, which may be private
+    parent.chmod(0o755)
+    home = parent / "home"
     yield home
     LocalPostgres.for_home(home).destroy()
-    shutil.rmtree(home, ignore_errors=True)
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def _cluster_place(home: Path) -> Path:
+    """Where the cluster of a home that rag made goes: the server user (root's) cannot enter a 0700 home."""
+    return pg_runtime.relocated_dir((home / "postgres").resolve()) if IS_ROOT else home / "postgres" / "data"
+
+
+def _not_owner_only(root: Path) -> list[str]:
+    """Files and directories under `root` that give group or others any access (symlinks aside)."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for path in [Path(dirpath)] + [Path(dirpath) / n for n in dirnames + filenames]:
+            st = path.lstat()
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                bad.append(f"{path} {stat.filemode(st.st_mode)}")
+    return bad
 
 
 @pytest.fixture
@@ -72,7 +91,12 @@ def test_start_stop_restart_keeps_data(home):
     dsn = pg.start()
     info = pg.status()
     assert info["running"] and info["port"] > 0 and info["dsn"] == dsn == local_dsn(home)
-    assert Path(info["data_dir"]) == home / "postgres" / "data"  # reachable: not relocated
+    assert Path(info["data_dir"]) == _cluster_place(home)
+    # The home, our state and password, and the cluster with its log, socket and lock: owner-only.
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert _not_owner_only(home) == [] and _not_owner_only(Path(info["data_dir"])) == []
+    assert {"server.log", "postmaster.pid", f".s.PGSQL.{info['port']}"} <= {
+        p.name for p in Path(info["data_dir"]).iterdir()}
     assert info["version"].startswith("18.")
     assert _vector_version(dsn) >= (0, 8)
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -118,8 +142,8 @@ def test_logins_need_the_password(home, no_saved_passwords):
     assert data.stat().st_mode & 0o777 == 0o700
     assert _refused("", host=str(data), port=port, user="postgres", dbname="postgres")
     psycopg.connect("", host=str(data), port=port, user="postgres", dbname="postgres", password=password).close()
-    # Others may at most pass through the state directory, to a cluster the server user owns inside it.
-    assert pg.directory.stat().st_mode & 0o777 == (0o711 if IS_ROOT else 0o700)
+    # The home is 0700, so even root's server user has its cluster elsewhere: nobody passes through here.
+    assert pg.directory.stat().st_mode & 0o777 == 0o700
 
     pg.password_file.chmod(0o644)  # loosened by hand: the next start closes it again
     assert pg.start() == dsn and pg.password_file.stat().st_mode & 0o777 == 0o600
@@ -204,9 +228,13 @@ def test_a_trusting_cluster_is_secured_on_start(old_home, no_saved_passwords):
     with pytest.raises(StoreError, match="no password file.*rag db start"):
         local_dsn(old_home)  # no password-less DSN handed out for it
 
+    # The older rag also left the home open (0755): it is closed, but root's server user keeps its way
+    # in to the cluster inside it (search permission only: nobody can list the home).
+    assert stat.S_IMODE(old_home.stat().st_mode) == (0o711 if IS_ROOT else 0o700)
     pg = LocalPostgres.for_home(old_home, server_options=THROWAWAY_OPTIONS)
     dsn = pg.start()  # restarts it secured, on the same port
     assert _without_password(dsn) == old_dsn and urlsplit(dsn).password
+    assert pg.data_dir == old_home / "postgres" / "data" and exposed_paths(old_home) == []
     assert _refused(old_dsn) and not _trusts(old_home)
     assert pg.password_file.stat().st_mode & 0o777 == 0o600
     with psycopg.connect(local_dsn(old_home)) as conn:
@@ -240,7 +268,8 @@ def test_cli_start_status_stop(home, monkeypatch):
     password = (home / "postgres" / "password").read_text().strip()
     assert urlsplit(dsn).password == password  # whole, for `export RAG_DSN=$(rag db start)`
     status = json.loads(_cli(["status", "--json"], home).stdout)
-    assert status["running"] and status["dsn"] == dsn and status["data_dir"].startswith(str(home))
+    assert status["running"] and status["dsn"] == dsn and status["data_dir"] == str(_cluster_place(home))
+    assert _not_owner_only(home) == [] and _not_owner_only(Path(status["data_dir"])) == []
     assert _vector_version(dsn) >= (0, 8)
 
     monkeypatch.setenv("RAG_HOME", str(home))
