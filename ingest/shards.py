@@ -57,8 +57,15 @@ def resolve_shard(shard: int | None, num_shards: int | None, env: Mapping[str, s
         None when the job is not sharded.
 
     Raises:
-        ConfigError: a shard outside 0..N-1, one of the two missing, or a Slurm variable that is not a number.
+        ConfigError: a shard outside 0..N-1, one of the two missing, a Slurm variable that is not a number,
+            or a Slurm array that is a list (--array=1,3,7) rather than a range.
     """
+    if num_shards == 1 and shard in (None, 0):
+        return None
+    if shard is not None and num_shards is not None:
+        # The options say it all: the array's variables do not matter (a list like --array=3,5 included).
+        check_shard(shard, num_shards)
+        return shard, num_shards
     env_shard, env_count = _slurm_task(env)
     n = num_shards if num_shards is not None else env_count
     if n is None:
@@ -166,6 +173,17 @@ def _slurm_task(env: Mapping[str, str]) -> tuple[int | None, int | None]:
     last = _env_int(env, "SLURM_ARRAY_TASK_MAX")
     if count is None and last is not None:
         count = (last - first) // step + 1
+    # A list (--array=1,3,7) sets MIN, MAX and COUNT but no position of this task in it: Slurm
+    # reports STEP=1 there (checked on Slurm 22.05), so only a true range MIN, MIN+STEP, ..., MAX
+    # of COUNT tasks maps task ids onto shards 0..COUNT-1 without gaps.
+    not_a_range = (task - first) % step != 0 or (
+        last is not None and count is not None and last - first != (count - 1) * step)
+    if not_a_range:
+        raise ConfigError(
+            f"this Slurm job array is not a range (SLURM_ARRAY_TASK_MIN={first}, SLURM_ARRAY_TASK_MAX={last}, "
+            f"SLURM_ARRAY_TASK_STEP={step}, SLURM_ARRAY_TASK_COUNT={count}): a list such as --array=1,3,7 gives a "
+            f"task no shard number. Submit a range (--array=0-7, --array=1-8, --array=0-14:2; a %N throttle is "
+            f"fine), or pass --shard I and --num-shards N yourself")
     return (task - first) // step, count
 
 
