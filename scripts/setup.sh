@@ -25,6 +25,19 @@ if [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 
+# The Slurm examples' test submits examples/slurm/ to a real single-node Slurm that it starts
+# itself (tests/slurm_fixture.py; no system services). Same rule as chromium: apt where root.
+if ! { command -v sbatch && command -v slurmctld && command -v slurmd && command -v munged; } >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing slurm-wlm and munge (for the Slurm examples' test)"
+    apt-get install -y slurm-wlm munge >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y slurm-wlm munge >/dev/null; } \
+      || echo "== warning: apt-get could not install slurm-wlm munge; the Slurm examples' test will fail"
+  else
+    echo "== hint: no Slurm; the Slurm examples' test will skip (as root: apt-get install -y slurm-wlm munge)"
+  fi
+fi
+
 stamp=.venv/.rag-installed
 want=$(cat pyproject.toml scripts/setup.sh scripts/build_spacy_stub.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
