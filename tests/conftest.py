@@ -21,10 +21,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # servers make single examples slow without anything being wrong.
 try:
     from hypothesis import settings as _hypothesis_settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
 
-    _hypothesis_settings.register_profile("default", max_examples=25, deadline=None, derandomize=False)
-    _hypothesis_settings.register_profile("slow", max_examples=1000, deadline=None,
-                                          stateful_step_count=30)
+    # Failing examples are replayed first on the next run; kept under an ignored directory.
+    _failures = DirectoryBasedExampleDatabase(Path(__file__).resolve().parents[1] / ".pytest_cache" / "hypothesis")
+    _hypothesis_settings.register_profile("default", max_examples=25, deadline=None, database=_failures)
+    _hypothesis_settings.register_profile("slow", max_examples=1000, deadline=None, stateful_step_count=30,
+                                          database=_failures)
     _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 except ImportError:  # the GPU machine runs only `gpu` tests and may lack hypothesis
     pass
