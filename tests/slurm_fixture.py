@@ -65,8 +65,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
 
+def search_path() -> str:
+    """PATH with the sbin directories, where Debian puts the daemons (a user's PATH may lack them)."""
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join([*parts, *(d for d in ("/usr/sbin", "/sbin") if d not in parts)])
+
+
 def missing_programs() -> list[str]:
-    return [p for p in PROGRAMS if shutil.which(p) is None]
+    return [p for p in PROGRAMS if shutil.which(p, path=search_path()) is None]
 
 
 def ensure_slurm_installed() -> None:
@@ -98,6 +104,7 @@ class LocalSlurm:
         # Clients see this cluster only, even when the tests themselves run inside a Slurm job.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
         self.env["SLURM_CONF"] = str(self.conf)
+        self.env["PATH"] = search_path()
 
     def log(self, name: str) -> Path:
         """A daemon's log file: munged.log, slurmctld.log or slurmd.log."""
@@ -195,7 +202,8 @@ def _ended(job: str, states: Mapping[str, str]) -> bool:
 
 def node_resources() -> tuple[int, int]:
     """(CPUs, RealMemory in MB) of this machine as slurmd sees it: a node may not claim more."""
-    done = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=60)
+    slurmd = shutil.which("slurmd", path=search_path()) or "slurmd"
+    done = subprocess.run([slurmd, "-C"], capture_output=True, text=True, timeout=60)
     found = dict(re.findall(r"(\w+)=(\S+)", done.stdout))
     return int(found.get("CPUs", os.cpu_count() or 1)), int(found.get("RealMemory", 1024))
 

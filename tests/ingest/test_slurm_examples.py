@@ -139,3 +139,50 @@ def test_example_scripts_on_a_real_slurm_equal_one_job(slurm: LocalSlurm, tmp_pa
         assert all('"num_shards": 4' in log.read_text() for log in task_logs)
         merged = rag_factory(home, rerank=False, collection="lab")
         assert_same_collection(merged, single)
+
+
+@pytest.mark.slow  # two `rag ingest` tasks on a real Slurm, writing into a real PostgreSQL
+def test_pgvector_example_on_a_real_slurm_equals_one_job(slurm: LocalSlurm, tmp_path, rag_factory,  # noqa: F811
+                                                          corpus, single, pg_dsn):  # noqa: F811
+    workdir = tmp_path / "submit"
+    shutil.copytree(EXAMPLES, workdir / "scripts")
+    home = tmp_path / "home"
+    rag_factory(home).close()
+    dsn_file = tmp_path / "dsn"  # the password stays in a file only we can read, as the script wants it
+    dsn_file.write_text(pg_dsn + "\n")
+    dsn_file.chmod(0o600)
+    env = {**slurm.env, **_submit_env(home, corpus), "DSN_FILE": str(dsn_file)}
+    done = subprocess.run([str(workdir / "scripts" / "submit.sh"), "pgvector", "--array=2-3", *SMALL_TASK],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"pgvector ingest array (\d+) queued", done.stdout)
+    assert found, done.stdout
+    job = found.group(1)
+    states = slurm.wait([job], timeout=300)
+    assert set(states.values()) == {"COMPLETED"}, f"{states}\n{_log_report(slurm, [workdir])}"
+
+    task_logs = [workdir / "logs" / f"rag-ingest-pg-{job}_{task}.out" for task in (2, 3)]
+    assert sorted(int(re.search(r'"shard": (\d+)', log.read_text()).group(1)) for log in task_logs) == [0, 1]
+    assert not (home / "shards").exists()  # written straight into the shared collection: no merge
+    shared = rag_factory(home, rerank=False, collection="lab", store="pgvector", dsn=pg_dsn)
+    assert_same_collection(shared, single, queries=False)
+    shared.close()
+
+
+@pytest.mark.slow  # three short-lived `rag ingest` tasks: they stop before loading any model
+def test_a_list_array_fails_every_task_with_a_clear_log_and_no_merge(slurm: LocalSlurm, tmp_path,  # noqa: F811
+                                                                     rag_factory, corpus):  # noqa: F811
+    workdir = tmp_path / "submit"
+    shutil.copytree(EXAMPLES, workdir / "scripts")
+    home = tmp_path / "home"
+    rag_factory(home).close()
+    array_job, merge_job = _run_submit(slurm, workdir, _submit_env(home, corpus), "1,3,7")
+    states = slurm.wait([array_job, merge_job], timeout=180)
+    # No shard is ingested under a wrong number; the merge behind afterok never runs (this
+    # cluster cancels it: kill_invalid_depend; by default Slurm leaves it pending).
+    assert states == {f"{array_job}_1": "FAILED", f"{array_job}_3": "FAILED", f"{array_job}_7": "FAILED",
+                      merge_job: "CANCELLED"}, f"{states}\n{_log_report(slurm, [workdir])}"
+    for task in (1, 3, 7):
+        log = (workdir / "logs" / f"rag-ingest-{array_job}_{task}.out").read_text()
+        assert "not a range" in log and "--array=1,3,7" in log, log
+    assert not (home / "shards").exists()
