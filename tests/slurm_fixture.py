@@ -53,6 +53,8 @@ SelectTypeParameters=CR_Core_Memory
 SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
 # A job whose afterok dependency failed is cancelled instead of pending forever.
 DependencyParameters=kill_invalid_depend
+# Finished jobs stay visible to squeue/scontrol for an hour (default 300 s: a slow run could lose them).
+MinJobAge=3600
 MpiDefault=none
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
@@ -139,7 +141,9 @@ class LocalSlurm:
                            f"{state.stderr.strip()!r}); logs in {root / 'log'}")
 
     def stop(self) -> None:
-        """Stop the daemons by the pids in their pid files (all at once: each takes a second or two)."""
+        """Cancel what still runs (a test that failed midway), then stop the daemons by the pids in
+        their pid files, all at once: each takes a second or two."""
+        self._cancel_all()
         pids = []
         for name in ("slurmd", "slurmctld", "munged"):
             try:
@@ -147,6 +151,23 @@ class LocalSlurm:
             except (OSError, ValueError, IndexError):
                 continue
         _terminate(pids)
+
+    def _cancel_all(self, grace: float = 15) -> None:
+        # Job steps outlive a stopped slurmd: cancel them while it can still signal them.
+        try:
+            active = self._active_jobs()
+            if not active:
+                return
+            subprocess.run(["scancel", *active], capture_output=True, env=self.env, timeout=30)
+            deadline = time.monotonic() + grace
+            while self._active_jobs() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        except (OSError, subprocess.SubprocessError):
+            pass  # the controller is not up (a failed start): nothing can be running
+
+    def _active_jobs(self) -> list[str]:
+        done = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, env=self.env, timeout=30)
+        return done.stdout.split()
 
     def sbatch(self, args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None) -> str:
         """Submit a batch job (`sbatch --parsable ARGS` in `cwd`); returns its job id."""
