@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0,
     kind TEXT NOT NULL DEFAULT 'user',
-    scope TEXT
+    scope TEXT,
+    admin INTEGER NOT NULL DEFAULT 0
 );
 """
 
@@ -108,6 +109,7 @@ class IdentityStore:
         # Catalogs from before proxy keys (every existing key stays a user key) and before
         # key scopes (NULL: the key has all of its user's groups).
         self._add_column("kind", f"TEXT NOT NULL DEFAULT '{USER_KEY}'")
+        self._add_column("admin", "INTEGER NOT NULL DEFAULT 0")  # keys from before admin keys are not admins
         if self._add_column("scope", "TEXT"):
             # Before this release a key of a user missing from the directory carried its own
             # groups. From now on groups come only from the directory, so such users are
@@ -183,7 +185,7 @@ class IdentityStore:
 
     def create_key(self, user: str | None, groups: list[str] | tuple[str, ...] = (),
                    label: str | None = None, proxy: bool = False,
-                   scope: list[str] | tuple[str, ...] | None = None) -> str:
+                   scope: list[str] | tuple[str, ...] | None = None, admin: bool = False) -> str:
         """Create a key; returns the key (shown once).
 
         A user key identifies its user: its groups come from the user directory at request
@@ -197,6 +199,7 @@ class IdentityStore:
             label: a note to tell keys apart (required for a proxy key: it names the front end).
             proxy: make a proxy key, for a front end that names its user in a header.
             scope: restrict the key to these groups of its user (None: all of them).
+            admin: an operator's key: its API answers carry stage timings (see `is_admin`).
 
         Raises:
             ConfigError: a user, groups or scope for a proxy key, no label for one, no user for a
@@ -210,6 +213,8 @@ class IdentityStore:
                                   "groups or scope (they come from the request's user header and the directory)")
             if not label:
                 raise ConfigError("a proxy key needs --label naming its front end, e.g. --label open-webui")
+            if admin:
+                raise ConfigError("a proxy key cannot be an admin key: every user of its front end would be one")
             self.conn.execute(
                 "INSERT INTO api_keys (key_id, key_hash, user, groups, label, created_at, kind)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -238,6 +243,8 @@ class IdentityStore:
             (key_id, _hash(key), user, json.dumps(sorted(registered.groups)), label, time.time(), USER_KEY,
              None if scoped is None else json.dumps(scoped)),
         )
+        if admin:
+            self.conn.execute("UPDATE api_keys SET admin = 1 WHERE key_id = ?", (key_id,))
         return key
 
     def authenticate(self, key: str | None) -> Principal:
@@ -303,6 +310,26 @@ class IdentityStore:
         cur = self.conn.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = ?", (key_id,))
         if cur.rowcount == 0:
             raise NotFoundError(f"no API key with id {key_id!r} (see `rag keys list`)")
+
+    # -- admin keys --------------------------------------------------------------------
+
+    def is_admin(self, key_id: str) -> bool:
+        """Whether a key is an admin key (`rag keys create --admin`).
+
+        Admin keys see what depends on the whole store rather than on what they may read: the
+        API's stage timings (a keyword search's time grows with the chunks that hold a term,
+        readable or not). An unknown key, or a database that cannot say, is not an admin.
+        """
+        try:
+            row = self.conn.execute("SELECT admin, kind FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+        except sqlite3.Error:
+            return False  # fail closed
+        return row is not None and row[0] == 1 and row[1] == USER_KEY
+
+    def admin_key_ids(self) -> set[str]:
+        """The ids of every admin key (for `rag keys list`)."""
+        return {r[0] for r in self.conn.execute("SELECT key_id FROM api_keys WHERE admin = 1 AND kind = ?",
+                                                (USER_KEY,))}
 
 
 def _listing(groups: set[str] | frozenset[str] | list[str]) -> str:

@@ -282,9 +282,13 @@ def keys_create(
     proxy: Annotated[bool, typer.Option(
         "--proxy", help="a front-end key (Open WebUI, LibreChat, LiteLLM): it names its user in a header "
         "(proxy_user_headers), who must be registered with `rag users add`; groups come from there")] = False,
+    admin: Annotated[bool, typer.Option(
+        "--admin", help="an operator's key: API answers carry per-stage timings (timings_ms), which other "
+        "keys never get because they depend on documents the caller may not read; access to documents "
+        "is unchanged")] = False,
 ) -> None:
     """Create an API key; it is printed once and stored only as a hash."""
-    key = _rag().identity.create_key(user, group or [], label, proxy=proxy, scope=scope or None)
+    key = _rag().identity.create_key(user, group or [], label, proxy=proxy, scope=scope or None, admin=admin)
     typer.echo(key)
 
 
@@ -292,8 +296,11 @@ def keys_create(
 def keys_list() -> None:
     """List keys (ids, users, their groups now, scopes; never the keys themselves)."""
     identity = _rag().identity
+    admins = identity.admin_key_ids()
     for k in identity.list_keys():
         state = "revoked" if k.revoked else "active"
+        if k.key_id in admins:
+            state += "  admin"
         if k.is_proxy:
             typer.echo(f"{k.key_id}  (proxy: names its user in a header)  {state}  {k.label or ''}")
             continue

@@ -1,16 +1,24 @@
 """The OpenAI wire format's errors and request bodies, shared by `rag serve` and `rag engine serve`.
 
 Errors are `{"error": {"message", "type", "param", "code"}}` with the HTTP status the `openai`
-client maps to its typed exceptions. Bodies are read as raw bytes so that every way one can be
-malformed (too large, not UTF-8, not JSON, not an object, wrong fields) is a clear 4xx.
+client maps to its typed exceptions; both servers answer every error, on every route, in this
+one shape. Bodies are read as raw bytes, only after the caller is authenticated and never past a
+size cap, so that every way one can be malformed (too large, not UTF-8, not JSON, not an object,
+wrong fields) is a clear 4xx. No message quotes the request back: it names the field and what
+was wrong with it, never the value (a 1 MB question is not echoed, a pasted secret not reflected).
 """
 
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+import re
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from fastapi.exceptions import RequestValidationError
+    from starlette.requests import Request
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -35,16 +43,78 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code}}
 
 
-def validation_error(exc: ValidationError) -> ApiError:
-    """One 400 naming every bad field (`messages.0.role: Input should be ...`)."""
+# A location part that is a schema's field name or a list index. Anything else is left out: a
+# key the client made up (inside a free-form object) is its input and is not quoted back, and
+# pydantic's union-member tags ("constrained-str") mean nothing to a client.
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_MAX_ERRORS_LISTED = 5
+
+
+def _location(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body" and (isinstance(p, int) or _FIELD_NAME.fullmatch(str(p)))]
+    return ".".join(parts)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
+    """One 400 naming the bad fields (`messages.0.role: Input should be ...`), never their values.
+
+    Pydantic's messages say what was expected, not what was given. An unknown field's name is the
+    client's own text, so it is not named either: the message points at the schema instead.
+    """
     errors = exc.errors()
     parts = []
-    for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    first = errors[0].get("loc", ()) if errors else ()
-    param = ".".join(str(p) for p in first if p != "body") or None
+    for err in errors[:_MAX_ERRORS_LISTED]:
+        loc = _location(_where(err))
+        if err.get("type") == "extra_forbidden":
+            msg = "a field this API does not take (GET /openapi.json lists the fields)"
+        else:
+            msg = str(err.get("msg"))
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(errors) > _MAX_ERRORS_LISTED:
+        parts.append(f"and {len(errors) - _MAX_ERRORS_LISTED} more")
+    param = (_location(_where(errors[0])) or None) if errors else None
     return ApiError(400, "invalid request: " + "; ".join(parts), param=param)
+
+
+def _where(err: dict) -> tuple:
+    loc = tuple(err.get("loc", ()))
+    return loc[:-1] if err.get("type") == "extra_forbidden" else loc  # the object, not the made-up key
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw request body, read only up to max_bytes.
+
+    A declared Content-Length past the cap is refused before a byte is read; a chunked body is
+    refused as soon as it passes the cap, so a client cannot make the server buffer more. The
+    body is kept on the request (Starlette's own cache), so later readers (the audit log) reuse it.
+
+    Raises:
+        ApiError: 413 past max_bytes.
+    """
+    cached = getattr(request, "_body", None)
+    if cached is not None:
+        if len(cached) > max_bytes:
+            raise ApiError(413, f"the request body is larger than {max_bytes} bytes")
+        return cached
+    too_large = ApiError(413, f"the request body is larger than {max_bytes} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        request._body = b""  # nobody reads it after us (the audit entry goes without the question)
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            request._body = b""
+            raise too_large
+        chunks.append(chunk)
+    raw = request._body = b"".join(chunks)
+    return raw
+
+
+def _refuse_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity, which JSON does not.
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def parse_json_body(raw: bytes, schema: type[Body], max_bytes: int) -> Body:
@@ -57,7 +127,7 @@ def parse_json_body(raw: bytes, schema: type[Body], max_bytes: int) -> Body:
     if len(raw) > max_bytes:
         raise ApiError(413, f"the request body is larger than {max_bytes} bytes")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not valid UTF-8") from None
     except json.JSONDecodeError as e:
@@ -65,6 +135,9 @@ def parse_json_body(raw: bytes, schema: type[Body], max_bytes: int) -> Body:
         raise ApiError(400, f"the request body is not valid JSON: {e.msg} ({where})") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError:
+        # NaN/Infinity, or an integer of more than 4300 digits (Python's conversion limit).
+        raise ApiError(400, "the request body is not valid JSON: a number is not finite or too long") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if has_lone_surrogate(data):

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     max_concurrent_generations: int = Field(default=64, ge=1, le=4096)
     max_queued_generations: int = Field(default=256, ge=0, le=100000)
     request_timeout: float = Field(default=300.0, gt=0, description="seconds one query may take in all")
+    # The largest request body the API reads (413 past it), after the key is checked. Chat front
+    # ends resend the whole conversation each turn; 2 MB holds a long one.
+    max_request_bytes: int = Field(default=2_000_000, ge=1024, le=100_000_000)
     # GET /metrics/engine: the engine's queue, KV-block and prefix-cache counters to any valid key.
     # Cache counters tell when other users' requests shared KV: enable only where every key holder
     # is trusted (operators, tests).

@@ -1,10 +1,10 @@
 """Map the RagError tree to HTTP status codes (the only place that does).
 
-Two error shapes: the OpenAI routes (`/v1/chat/completions`, `/v1/models`, `/v1/documents`, any
-other `/v1/...` path but `/v1/query`) answer `{"error": {"message", "type", "param", "code"}}`, which
-the `openai` client and chat front ends parse; the query API answers `{"error": "message"}`.
-A message never carries text the caller may not read: internal errors are logged and answered
-with a generic message.
+One error shape on every route: OpenAI's `{"error": {"message", "type", "param", "code"}}`, which
+the `openai` client and chat front ends parse, and which /v1/query, /healthz and the rest answer
+too. An invalid request is a 400 everywhere (FastAPI's 422 is not used). A message never carries
+text the caller may not read, nor quotes the request back: internal errors are logged (type and
+stack, no message: rag/error_log.py) and answered with a generic message.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rag.error_log import log_exception
 from rag.errors import (
     AuthenticationError,
     ConfigError,
@@ -27,7 +28,7 @@ from rag.errors import (
     PermissionDenied,
     RagError,
 )
-from rag.openai_wire import ApiError, error_body
+from rag.openai_wire import ApiError, error_body, validation_error
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +51,23 @@ def status_for(error: RagError) -> int:
     return 500
 
 
-def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") and not path.startswith("/v1/query")
+def http_status(status: int) -> int:
+    """The status answered: invalid input is 400 (the openai client's BadRequestError), never 422."""
+    return 400 if status == 422 else status
 
 
 def error_response(request: Request, status: int, message: str, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    if is_openai_path(request.url.path):
-        # The OpenAI routes take invalid input as 400 (the client's BadRequestError), not 422.
-        status = 400 if status == 422 else status
-        body = error_body(status, message, param, code)
-    else:
-        body = {"error": message}
-    return JSONResponse(body, status_code=status, headers=headers)
+    status = http_status(status)
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def rag_error_response(request: Request, exc: RagError) -> JSONResponse:
     status = status_for(exc)
     headers = None
-    if status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
-    elif status == 429:
+    if status == 429:
         headers = {"Retry-After": str(int(getattr(exc, "retry_after", 1)))}
     if status in (502, 503):
         # What failed inside (a CUDA error, a remote server's URL) is for the log, not the client.
@@ -80,7 +77,7 @@ def rag_error_response(request: Request, exc: RagError) -> JSONResponse:
         return error_response(request, status, message, headers={"Retry-After": "5"} if status == 503 else None)
     if status == 500:
         # Internal errors may carry details: log them, answer with a generic message.
-        log.error("internal error: %s", exc, exc_info=exc)
+        log_exception(log, "internal error", exc)
         return error_response(request, 500, "internal error")
     return error_response(request, status, str(exc), headers=headers)
 
@@ -96,20 +93,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(request, 422, message, param=".".join(loc) or None)
+        # Path and query parameters (bodies are parsed by the routes, after the key is checked).
+        error = validation_error(exc)
+        return error_response(request, error.status, error.message, param=error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}"
+            message = "no such route (GET /openapi.json lists them)"  # the path is not quoted back
         return error_response(request, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unexpected error on %s: %s", request.url.path, exc, exc_info=exc)
+        route = getattr(request.scope.get("route"), "path", None) or "an unmatched route"
+        log_exception(log, f"unexpected error on {request.method} {route}", exc)
         return error_response(request, 500, "internal error")

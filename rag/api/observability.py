@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from rag.api.errors import error_response
 from rag.api.logs import request_id_var
+from rag.error_log import log_exception
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from rag.settings import Settings
 
 access_log = logging.getLogger("rag.access")
+error_log = logging.getLogger("rag.api.errors")
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -170,12 +172,14 @@ class ObservabilityMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
-        except Exception:
+        except Exception as exc:
+            # Handled here, not re-raised: past this point Starlette and uvicorn would log the
+            # exception with its message, which can quote the request (a question, a document's
+            # text). The log gets its type and stack only; the client a generic 500 with our header.
+            route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+            log_exception(error_log, f"unexpected error on {scope['method']} {route}", exc)
             if not response_started:
-                # Starlette's outer error middleware logs the error (through the app's handler)
-                # but would answer without our header: answer here, with the same generic body.
                 await error_response(Request(scope), 500, "internal error")(scope, receive, send_with_id)
-            raise
         finally:
             duration = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rag.openai_wire import has_lone_surrogate
 
+MAX_QUESTION_CHARS = 4000
+
 
 class QueryRequest(BaseModel):
-    question: str = Field(min_length=1, max_length=4000, description="the question")
+    # Strict: "generate": "yes" or "k": true is a 400, not a guess; an unknown field is a 400 too
+    # (a misspelt "colection" would otherwise search the default collection).
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS, description="the question")
     k: int = Field(default=5, ge=1, le=50, description="number of sources")
     generate: bool = Field(default=True, description="generate an answer, or retrieve only")
-    collection: str | None = Field(default=None, description="collection (default: 'default')")
+    collection: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                                   description="collection (default: 'default')")
     mode: Literal["dense", "keyword", "hybrid"] | None = Field(
         default=None, description="retrieval legs (default: the server's setting, hybrid)")
-    stream: bool = Field(default=False, description="server-sent events: citations, text deltas, then timings")
+    stream: bool = Field(default=False, description="server-sent events: citations, text deltas, then done")
 
     @field_validator("question", "collection")
     @classmethod
@@ -40,7 +47,9 @@ class QueryResponse(BaseModel):
     user: str
     answer: str | None
     citations: list[CitationOut]
-    timings_ms: dict[str, float]
+    # Per-stage times for admin keys only (null for others): the keyword search's time grows with
+    # the chunks that contain a term, readable or not, so it would tell others what exists.
+    timings_ms: dict[str, float] | None = Field(default=None, description="stage timings; admin keys only")
     usage: dict[str, int] | None = None
 
 

@@ -24,7 +24,7 @@ from rag.engine_server.errors import ApiError, error_body, install_error_handler
 from rag.engine_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from rag.engine_server.streaming import DONE, ClientDisconnected, EventStream, sse, unless_disconnected
 from rag.errors import GenerationError
-from rag.openai_wire import parse_json_body
+from rag.openai_wire import parse_json_body, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +74,17 @@ class _Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+            # The name asked for is not quoted back (no request text in answers).
+            raise ApiError(404, f"no such model: this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     async def read(self, request: Request, schema: type[Body]) -> Body:
-        """The JSON body as `schema`; every way it can be malformed is a 400."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes")
-        return parse_json_body(await request.body(), schema, self.max_body_bytes)
+        """The JSON body as `schema` (called after the key check); every way it can be malformed is a 4xx.
+
+        Never reads past max_body_bytes: a declared length over it is refused unread, a chunked
+        body as soon as it passes it (413).
+        """
+        return parse_json_body(await read_body(request, self.max_body_bytes), schema, self.max_body_bytes)
 
     # --- prompts ----------------------------------------------------------------------------------
 
@@ -94,8 +96,10 @@ class _Server:
         try:
             ids: Any = tokenizer.apply_chat_template(
                 body.chat_messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as e:  # noqa: BLE001 - jinja templates raise what they like (role order, ...)
-            raise ApiError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
+        except Exception:  # noqa: BLE001 - jinja templates raise what they like (role order, ...)
+            # Not the template's message: it may quote the messages back.
+            raise ApiError(400, "the model's chat template refused these messages (check the order of roles: "
+                           "one system message first, then user and assistant turns)", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers versions differ
             ids = ids["input_ids"]
         return [int(t) for t in ids]

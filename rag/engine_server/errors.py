@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rag.error_log import log_exception
 from rag.openai_wire import ApiError, error_body, validation_error
 
 logger = logging.getLogger(__name__)
@@ -17,8 +18,6 @@ def error_response(error: ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     return JSONResponse(error_body(error.status, error.message, error.param, error.code),
                         status_code=error.status, headers=headers)
-
-
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -36,11 +35,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request refused"
         if exc.status_code == 404:
-            message = f"no such route: {request.method} {request.url.path}"
+            message = "no such route: this server has /v1/models, /v1/completions and /v1/chat/completions"
         return error_response(ApiError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # A bug: log it here, answer with nothing the client could learn internals from.
-        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        route = getattr(request.scope.get("route"), "path", None) or "an unmatched route"
+        log_exception(logger, f"internal error on {request.method} {route}", exc)
         return JSONResponse(error_body(500, "internal server error"), status_code=500)

@@ -1,4 +1,9 @@
-"""Request bodies of the OpenAI-compatible engine server (unknown fields are ignored, as OpenAI clients expect)."""
+"""Request bodies of the OpenAI-compatible engine server.
+
+Unknown fields are ignored, as OpenAI clients expect; known ones are strict (`"temperature": "1"`
+or `"stream": 1` is a 400, never coerced; an int for a float is fine) and capped, so no field
+carries more than the engine could use.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+MAX_STOPS = 16
+MAX_STOP_CHARS = 200
+_INT64 = 2**63 - 1
+
 
 class _Body(BaseModel):
     # Clients send fields we do not know (user, logit_bias, metadata, ...): ignore them.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -19,21 +28,21 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """What both endpoints take; ranges follow OpenAI's, upper bounds on max_tokens come from the model."""
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=256)
     max_tokens: StrictInt | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     # vLLM's extras: kept because clients of `vllm serve` send them.
-    top_k: StrictInt = -1
+    top_k: StrictInt = Field(default=-1, le=1_000_000)
     ignore_eos: StrictBool = False
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # The prefix-cache namespace of this request (vLLM's field): only requests with the same salt
     # share KV blocks. It is only as trustworthy as the caller that sets it (see the package doc).
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -41,6 +50,8 @@ class SamplingFields(_Body):
         stops = [] if v is None else [v] if isinstance(v, str) else v
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("n")

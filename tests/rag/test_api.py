@@ -60,11 +60,11 @@ def test_keys_see_what_their_user_may_read(server):
 def test_bad_requests_are_clear(server):
     url, keys = server
     r = _query(url, keys["dave"], question="x", collection="nope")
-    assert r.status_code == 404 and "unknown collection" in r.json()["error"]
+    assert r.status_code == 404 and "unknown collection" in r.json()["error"]["message"]
     r = _query(url, keys["dave"], question="")
-    assert r.status_code == 422
+    assert r.status_code == 400 and r.json()["error"]["param"] == "question"
     r = _query(url, keys["dave"], question="   ")
-    assert r.status_code == 422 and "empty question" in r.json()["error"]
+    assert r.status_code == 400 and "empty question" in r.json()["error"]["message"]
 
 
 def test_generated_answer_over_http(server):
@@ -73,4 +73,4 @@ def test_generated_answer_over_http(server):
     assert r.status_code == 200
     body = r.json()
     assert body["answer"] and body["citations"]
-    assert "generate" in body["timings_ms"]
+    assert body["timings_ms"] is None  # stage timings go to admin keys only (tests/rag/test_bad_requests.py)

@@ -10,6 +10,9 @@ import httpx
 import openai
 import pytest
 
+from tests.rag.live_server import serving
+from tests.rag.raw_http import raw_request
+
 if TYPE_CHECKING:
     from tests.rag.engine_server_fixture import EngineServer
 
@@ -170,7 +173,8 @@ def test_bad_requests_are_openai_shaped_400s_and_the_server_goes_on(client, engi
         client.chat.completions.create(model=engine_server.model, messages=[], max_tokens=2)
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-17", messages=QUESTION, max_tokens=2)
-    assert e.value.status_code == 404 and "gpt-17" in e.value.message
+    assert e.value.status_code == 404 and "gpt-17" not in e.value.message  # never quoted back
+    assert engine_server.model in e.value.message
     assert httpx.get(f"{engine_server.base_url}/nowhere", headers=engine_server.auth).json()["error"]["message"]
     # Still serving, and nothing was left in the engine.
     out = client.chat.completions.create(model=engine_server.model, messages=QUESTION, max_tokens=2)
@@ -286,3 +290,75 @@ def test_cli_refuses_two_keys(tmp_path):
     result = CliRunner().invoke(app, ["--home", str(tmp_path), "engine", "serve", "default", "--api-key", "x",
                                       "--api-key-file", str(key_file)])
     assert isinstance(result.exception, ConfigError), result.output
+
+
+# --- bad requests over real HTTP, on the tiny model (fast) ----------------------------------------------------
+
+SMALL_CAP = 32 * 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_served(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from generation.config import EngineConfig
+    from generation.engine.async_engine import AsyncLLMEngine
+    from rag.engine_server import create_engine_app
+    from tests.generation.conftest import build_tiny_model, save_char_tokenizer
+    path = tmp_path_factory.mktemp("tiny-engine-http")
+    build_tiny_model(path)
+    save_char_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    engine = AsyncLLMEngine.from_model(path, EngineConfig(device="cpu", num_kv_blocks=64, max_num_seqs=2))
+    app = create_engine_app(engine, "tiny", "k", owns_engine=True, max_body_bytes=SMALL_CAP)
+    with serving(app) as url:
+        yield url
+
+
+@pytest.mark.parametrize("auth, status", [(None, 401), ("Bearer k", 413)])
+def test_engine_server_never_waits_for_a_body_past_its_cap(tiny_served, auth, status):
+    head = ["POST /v1/chat/completions HTTP/1.1", "Content-Type: application/json", "Content-Length: 50000000"]
+    if auth:
+        head.append(f"Authorization: {auth}")
+    # Declared, never sent: only a server that answers without reading it can answer at all.
+    got, body = raw_request(tiny_served, head)
+    assert got == status and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_engine_server_refuses_a_chunked_body_once_past_its_cap(tiny_served):
+    piece = b"x" * 8192
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(SMALL_CAP // len(piece) + 1))
+    got, body = raw_request(tiny_served, ["POST /v1/completions HTTP/1.1", "Authorization: Bearer k",
+                                                  "Content-Type: application/json", "Transfer-Encoding: chunked"],
+                                    chunks)
+    assert got == 413 and body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [("temperature", "0.5"), ("temperature", True), ("stream", 1),
+                                          ("max_tokens", 2.0), ("seed", 2**70), ("top_k", 10**9),
+                                          ("stop", ["s"] * 17), ("cache_salt", "s" * 300)])
+def test_engine_server_fields_are_strict(tiny_served, field, value):
+    r = httpx.post(f"{tiny_served}/v1/chat/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                   json={"messages": QUESTION, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_engine_server_quotes_nothing_back(tiny_served):
+    marker = "zqxj-secret-marker"
+    auth = {"Authorization": "Bearer k"}
+    responses = [
+        httpx.post(f"{tiny_served}/v1/chat/completions", headers=auth, timeout=60,
+                   json={"model": marker, "messages": QUESTION, "max_tokens": 2}),
+        httpx.get(f"{tiny_served}/v1/{marker}", headers=auth, timeout=60),
+        httpx.post(f"{tiny_served}/v1/completions", headers=auth, timeout=60,
+                   json={"prompt": "abc", marker: 1, "max_tokens": "x" + marker}),
+        httpx.post(f"{tiny_served}/v1/completions", headers=auth, timeout=60,
+                   content=b'{"prompt": NaN, "x": "' + marker.encode() + b'"}'),
+    ]
+    assert [r.status_code for r in responses] == [404, 404, 400, 400]
+    for r in responses:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and marker not in r.text
+    assert "tiny" in responses[0].json()["error"]["message"]  # it names what it serves instead

@@ -163,11 +163,13 @@ def test_metrics_request_ids_and_json_logs(live):
         assert record["level"] == "INFO" and record["duration_ms"] >= 0
 
 
-def test_metrics_can_be_turned_off_and_errors_carry_the_request_id(lab_rag):
+def test_metrics_can_be_turned_off_and_errors_carry_the_request_id(lab_rag, caplog):
+    caplog.set_level(logging.INFO)
     app = create_app(lab_rag.settings.model_copy(update={"metrics_enabled": False}), preload=False)
 
     async def boom():
-        raise RuntimeError("secret internal detail")
+        detail = "secret " + "internal detail"  # built here: the logged stack shows source lines
+        raise RuntimeError(detail)
 
     app.add_api_route("/boom", boom)
 
@@ -183,7 +185,31 @@ def test_metrics_can_be_turned_off_and_errors_carry_the_request_id(lab_rag):
     metrics, failed = asyncio.run(run())
     assert metrics.status_code == 404 and re.fullmatch(r"[0-9a-f]{32}", metrics.headers["x-request-id"])
     assert failed.status_code == 500 and failed.headers["x-request-id"] == "boom-1"
-    assert failed.json() == {"error": "internal error"}
+    assert failed.json() == {"error": {"message": "internal error", "type": "server_error", "param": None,
+                                       "code": None}}
+    # The error is logged with its type and where it was raised, never its message (which could
+    # quote a request: a question, a document's text).
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+    assert "RuntimeError" in logged and "boom" in logged
+    assert "secret internal detail" not in caplog.text
+
+
+def test_an_internal_error_over_real_http_logs_no_message(lab_rag, capfd):
+    app = create_app(lab_rag.settings.model_copy(update={"device": "cpu"}), preload=False)
+
+    async def boom():
+        question = "what the user asked: " + "zqxj-secret-question"  # not in the source line of the stack
+        raise RuntimeError(question)
+
+    app.add_api_route("/boom", boom)
+    with serving(app) as url:
+        failed = httpx.get(f"{url}/boom", timeout=30)
+        assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200  # still serving
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal error"
+    assert "zqxj" not in failed.text
+    # Neither our log nor uvicorn's ("Exception in ASGI application" with the traceback) has the message.
+    out, err = capfd.readouterr()
+    assert "zqxj-secret-question" not in out + err
 
 
 def test_serve_log_format_json_sets_up_json_logs(monkeypatch, tmp_path):

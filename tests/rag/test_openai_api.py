@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from tests.rag.conftest import make_rag
 from tests.rag.serve_fixture import Service, prepare_home, running_service
 
 RESERVATION_Q = "Which Slurm reservation does the imaging group have on the GPU nodes?"
@@ -27,6 +28,11 @@ RESERVATION_Q = "Which Slurm reservation does the imaging group have on the GPU 
 def service(tmp_path_factory, model_cache) -> Iterator[Service]:
     home = tmp_path_factory.mktemp("serve-home")
     keys = prepare_home(home, tmp_path_factory.mktemp("serve-corpus"), model_cache)
+    rag = make_rag(home, model_cache)
+    try:  # an operator's key: its answers carry stage timings
+        keys["admin"] = rag.identity.create_key("bob", admin=True)
+    finally:
+        rag.close()
     env = {"RAG_MAX_NEW_TOKENS": "16", "RAG_EXPOSE_ENGINE_METRICS": "true", "RAG_ENGINE_NUM_KV_BLOCKS": "640",
            "RAG_ENGINE_MAX_NUM_SEQS": "4", "RAG_MAX_CONCURRENT_GENERATIONS": "2",
            "RAG_MAX_QUEUED_GENERATIONS": "2", "RAG_TOP_K": "3"}
@@ -254,7 +260,7 @@ def test_no_key_is_401_before_anything_else(service, path, method):
 
 def test_query_streams_citations_then_text_then_timings(service):
     events = []
-    with httpx.stream("POST", f"{service.url}/v1/query", headers=service.auth("bob"), timeout=120,
+    with httpx.stream("POST", f"{service.url}/v1/query", headers=service.auth("admin"), timeout=120,
                       json={"question": RESERVATION_Q, "k": 3, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -278,7 +284,7 @@ def test_query_api_hides_collections_the_key_cannot_read(service):
 
     hidden, missing = query("imaging-notes"), query("imaging-notez")
     assert hidden.status_code == missing.status_code == 404
-    assert hidden.json()["error"].replace("imaging-notes", "X") == missing.json()["error"].replace("imaging-notez", "X")
+    assert hidden.json() == missing.json()  # the same answer, and neither name quoted back
     assert "default" not in missing.text  # the store's message listing every collection stays inside
     assert query("default").status_code == 200
     bob = httpx.post(f"{service.url}/v1/query", headers=service.auth("bob"), timeout=60,

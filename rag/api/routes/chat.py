@@ -3,7 +3,8 @@
 A model id is a collection the key may read from. Answers come from that collection's documents
 the key's principal may read, with citations where front ends and proxies look for them:
 `message.annotations` / `delta.annotations` (OpenAI's url_citation entries, plus the cited text)
-and, when not streaming, a top-level `citations` list.
+and, when not streaming, a top-level `citations` list. Stage timings (`timings_ms`, not part of
+OpenAI's shape) are added for admin keys only.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rag.answering import AnswerDone
-from rag.api.deps import AuditedPrincipalDep, PrincipalDep, RagDep
+from rag.api.deps import AuditedCallerDep, PrincipalDep, RagDep, json_body_schema, read_json
 from rag.api.errors import ApiError, rag_error_response
 from rag.api.observability import record_answer
-from rag.api.openai_schemas import ChatCompletionRequest, parse_body
+from rag.api.openai_schemas import ChatCompletionRequest
 from rag.api.routes.query import prepare_with_deadline
 from rag.api.streaming import EventStream, after_admission, sse, until_disconnected
 from rag.audit import audit_event, audited_stream
-from rag.citations import marker_spans
+from rag.citations import marker_spans, shown_source
 from rag.conversation import parse_conversation
 from rag.errors import RagError
 from rag.generator import GenerationParams, TextDelta
@@ -42,13 +43,16 @@ async def list_models(rag: RagDep, principal: PrincipalDep) -> dict:
             "data": [{"id": n, "object": "model", "created": created, "owned_by": "labrag"} for n in names]}
 
 
-@router.post("/chat/completions")
-async def chat_completions(request: Request, rag: RagDep, principal: AuditedPrincipalDep):
-    body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+@router.post("/chat/completions", openapi_extra=json_body_schema(ChatCompletionRequest))
+async def chat_completions(request: Request, rag: RagDep, caller: AuditedCallerDep):
+    body = await read_json(request, rag, ChatCompletionRequest)  # after the key: no body is read for a 401
+    principal = caller.principal
     conversation = parse_conversation([m.model_dump() for m in body.messages])
     if not await asyncio.to_thread(rag.can_read_collection, body.model, principal):
-        # The same answer for a collection that does not exist and one this key cannot read.
-        raise ApiError(404, f"the model {body.model!r} does not exist", param="model", code="model_not_found")
+        # The same answer for a collection that does not exist and one this key cannot read (and
+        # the name is not quoted back).
+        raise ApiError(404, "the model does not exist: GET /v1/models lists those this key may use",
+                       param="model", code="model_not_found")
     deadline = time.monotonic() + rag.settings.request_timeout
     rag.admission.check()  # a full queue is refused before retrieval spends any work on it
     prepared = await prepare_with_deadline(rag, deadline, question=conversation.question, principal=principal,
@@ -63,7 +67,7 @@ async def chat_completions(request: Request, rag: RagDep, principal: AuditedPrin
             stop=tuple(body.stop or ()), seed=body.seed)
         prepared.request = dataclasses.replace(prepared.request, params=params)
     events = until_disconnected(request, rag.answer_events(prepared, deadline))
-    reply = _Reply(body.model, _document_url(request, body.model))
+    reply = _Reply(body.model, _document_url(request, body.model), with_timings=caller.is_admin)
     if not body.stream:
         done = None
         async for event in events:
@@ -86,11 +90,12 @@ def _document_url(request: Request, collection: str):
 class _Reply:
     """The fixed parts of one completion's JSON: id, timestamps, model, citation entries."""
 
-    def __init__(self, model: str, url_for) -> None:
+    def __init__(self, model: str, url_for, with_timings: bool = False) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.url_for = url_for
+        self.with_timings = with_timings  # admin keys only (see rag/api/routes/query.py)
 
     def annotations(self, answer: Answer) -> list[dict]:
         spans = marker_spans(answer.text or "", [c.number for c in answer.citations])
@@ -100,25 +105,29 @@ class _Reply:
             out.append({"type": "url_citation", "url_citation": {
                 "url": self.url_for(hit.chunk_id), "title": f"[{c.number}] {_title(hit)}",
                 "start_index": start, "end_index": end, "number": c.number, "text": c.text,
-                "source": c.source, "document": c.document_key, "chunk": c.chunk_index}})
+                "source": shown_source(c.source), "document": shown_source(c.source),
+                "chunk": c.chunk_index}})
         return out
 
     def citations(self, answer: Answer) -> list[dict]:
         return [{"number": c.number, "title": _title(h), "url": self.url_for(h.chunk_id), "text": c.text,
-                 "source": c.source, "document": c.document_key, "chunk": c.chunk_index, "score": c.score}
+                 "source": shown_source(c.source), "document": shown_source(c.source), "chunk": c.chunk_index,
+                 "score": c.score}
                 for c, h in zip(answer.citations, _hits_by_citation(answer), strict=True)]
 
     def completion(self, done: AnswerDone) -> dict:
         answer = done.answer
-        return {
+        completion = {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [{"index": 0, "finish_reason": done.finish_reason, "logprobs": None,
                          "message": {"role": "assistant", "content": answer.text or "",
                                      "annotations": self.annotations(answer)}}],
             "usage": _usage(done),
             "citations": self.citations(answer),
-            "timings_ms": {k: round(v * 1000, 1) for k, v in answer.timings.items()},
         }
+        if self.with_timings:
+            completion["timings_ms"] = {k: round(v * 1000, 1) for k, v in answer.timings.items()}
+        return completion
 
     def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> str:
         return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -163,4 +172,4 @@ def _hits_by_citation(answer: Answer):
 
 
 def _title(hit) -> str:
-    return hit.title or hit.document_key.rsplit("/", 1)[-1]
+    return hit.title or shown_source(hit.source)

@@ -7,7 +7,7 @@ import dataclasses
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from rag.api.deps import PrincipalDep, RagDep
+from rag.api.deps import CallerDep, RagDep
 from rag.api.errors import ApiError
 from rag.api.schemas import Health
 
@@ -36,10 +36,12 @@ async def readyz(rag: RagDep) -> JSONResponse:
 
 
 @router.get("/metrics/engine")
-async def engine_metrics(rag: RagDep, principal: PrincipalDep) -> dict:
-    """The generator's counters, the admission queue and the micro-batchers' batch sizes (opt-in)."""
-    if not rag.settings.expose_engine_metrics:
-        raise ApiError(404, "not found")
+async def engine_metrics(rag: RagDep, caller: CallerDep) -> dict:
+    """The generator's counters, the admission queue and the micro-batchers' batch sizes: to admin
+    keys, and to every key where expose_engine_metrics is on (cache counters move with other users'
+    requests)."""
+    if not (rag.settings.expose_engine_metrics or caller.is_admin):
+        raise ApiError(404, "no such route (GET /openapi.json lists them)")
     generator = rag.__dict__.get("generator")
     metrics = getattr(generator, "metrics", None)
     out: dict = {"admission": dataclasses.asdict(rag.admission.snapshot())}

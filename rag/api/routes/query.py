@@ -1,20 +1,26 @@
-"""POST /v1/query: answer a question from what the key's principal may read (JSON, or SSE with stream: true)."""
+"""POST /v1/query: answer a question from what the key's principal may read (JSON, or SSE with stream: true).
+
+Stage timings (`timings_ms`) go to admin keys only: other callers get null (JSON) or no field
+(the stream's done event), since the keyword leg's time depends on unreadable chunks too.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
 from rag.answering import AnswerDone
-from rag.api.deps import AuditedPrincipalDep, RagDep
+from rag.api.deps import AuditedCallerDep, Caller, RagDep, json_body_schema, read_json
 from rag.api.errors import rag_error_response
 from rag.api.observability import record_answer
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
 from rag.api.streaming import EventStream, after_admission, sse, until_disconnected
 from rag.audit import audit_event, audited_stream
+from rag.citations import shown_source
 from rag.errors import DeadlineExceeded, NotFoundError, RagError
 from rag.generator import TextDelta
 from rag.types import Answer
@@ -23,11 +29,15 @@ router = APIRouter(prefix="/v1")
 
 
 def citations_out(answer: Answer) -> list[CitationOut]:
-    return [CitationOut(number=c.number, document=c.document_key, source=c.source, chunk=c.chunk_index,
+    return [CitationOut(number=c.number, document=shown_source(c.source), source=shown_source(c.source),
+                        chunk=c.chunk_index,
                         score=c.score, text=c.text) for c in answer.citations]
 
 
-def timings_ms(answer: Answer) -> dict[str, float]:
+def timings_ms(answer: Answer, caller: Caller) -> dict[str, float] | None:
+    """The answer's stage timings for an admin key; None for any other caller."""
+    if not caller.is_admin:
+        return None
     return {k: round(v * 1000, 1) for k, v in answer.timings.items()}
 
 
@@ -39,15 +49,17 @@ async def prepare_with_deadline(rag, deadline: float, **kwargs):
         raise DeadlineExceeded("retrieval took longer than the request deadline") from exc
 
 
-@router.post("/query", response_model=QueryResponse)
-async def query(body: QueryRequest, rag: RagDep, principal: AuditedPrincipalDep, request: Request):
+@router.post("/query", response_model=QueryResponse, openapi_extra=json_body_schema(QueryRequest))
+async def query(rag: RagDep, caller: AuditedCallerDep, request: Request):
+    body = await read_json(request, rag, QueryRequest)  # after the key: no body is read for a 401
+    principal = caller.principal
     deadline = time.monotonic() + rag.settings.request_timeout
     rag.admission.check()  # a full queue is refused before retrieval spends any work on it
     if body.collection is not None and body.collection != rag.settings.collection:
         # A collection the key can read nothing in answers like one that does not exist (and the
         # store's own message, which lists every collection, never reaches the client).
         if not await asyncio.to_thread(rag.can_read_collection, body.collection, principal):
-            raise NotFoundError(f"unknown collection {body.collection!r}")
+            raise NotFoundError("unknown collection: GET /v1/models lists those this key may read")
     prepared = await prepare_with_deadline(rag, deadline, question=body.question, principal=principal,
                                            collection=body.collection, k=body.k, generate=body.generate,
                                            mode=body.mode)
@@ -61,16 +73,17 @@ async def query(body: QueryRequest, rag: RagDep, principal: AuditedPrincipalDep,
         answer = done.answer if done else prepared.answer
         await audit_event(request, answer)
         return QueryResponse(question=answer.question, user=principal.user, answer=answer.text,
-                             citations=citations_out(answer), timings_ms=timings_ms(answer),
+                             citations=citations_out(answer), timings_ms=timings_ms(answer, caller),
                              usage=_usage(done))
     # Wait for a generation slot before the headers go out: a full queue is a real 429.
     first = await anext(events, None)
     return EventStream(audited_stream(request, prepared.answer,
-                                      _sse_body(request, prepared.answer, principal.user, first, events)))
+                                      _sse_body(request, prepared.answer, caller, first, events)))
 
 
-async def _sse_body(request: Request, answer: Answer, user: str, first, events: AsyncIterator) -> AsyncIterator[str]:
-    yield sse({"type": "citations", "question": answer.question, "user": user,
+async def _sse_body(request: Request, answer: Answer, caller: Caller, first,
+                    events: AsyncIterator) -> AsyncIterator[str]:
+    yield sse({"type": "citations", "question": answer.question, "user": caller.principal.user,
                "citations": [c.model_dump() for c in citations_out(answer)]}, event="citations")
     try:
         async for event in after_admission(first, events):
@@ -78,12 +91,18 @@ async def _sse_body(request: Request, answer: Answer, user: str, first, events: 
                 yield sse({"type": "delta", "text": event.text}, event="delta")
             elif isinstance(event, AnswerDone):
                 record_answer(request, event)
-                yield sse({"type": "done", "answer": event.answer.text, "finish_reason": event.finish_reason,
-                           "timings_ms": timings_ms(event.answer), "usage": _usage(event)}, event="done")
+                done = {"type": "done", "answer": event.answer.text, "finish_reason": event.finish_reason,
+                        "usage": _usage(event)}
+                timings = timings_ms(event.answer, caller)
+                if timings is not None:
+                    done["timings_ms"] = timings
+                yield sse(done, event="done")
     except RagError as exc:
-        # The headers are gone: the error becomes the stream's last event.
+        # The headers are gone: the error becomes the stream's last event, in the one error shape
+        # (and with the same scrubbed message as a JSON answer would carry).
         response = rag_error_response(request, exc)
-        yield sse({"type": "error", "status": response.status_code, "error": str(exc)}, event="error")
+        body = json.loads(response.body)
+        yield sse({"type": "error", "status": response.status_code, **body}, event="error")
     finally:
         await events.aclose()
 
