@@ -28,6 +28,13 @@ PRIVATE_FILE_MODE = 0o600
 PASS_THROUGH_DIR_MODE = 0o711
 _GROUP_OTHER = 0o077
 _GROUP_OTHER_READ_WRITE = 0o066
+# What rag puts in a data directory (rag/settings.py, rag/audit.py, rag/db.py, ingest/shards.py,
+# ingest/staging.py). An open directory is tightened only where a marker says it is a data
+# directory, and only these entries in it, so a mistaken `--home ~` never rewrites a user's files.
+HOME_ENTRIES = frozenset({
+    "catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "catalog.sqlite-journal",
+    "indexes", "models", "shards", "staging", "postgres", "audit.jsonl", "rag.toml"})
+_HOME_MARKERS = ("catalog.sqlite", "postgres/state.json", "postgres/password", "postgres/data")
 
 
 def is_exposed(mode: int) -> bool:
@@ -42,9 +49,11 @@ def is_exposed(mode: int) -> bool:
 def ensure_private_dir(path: Path, *, fix: bool = True) -> Path:
     """The data directory `path`: created 0700 if missing, checked (and tightened) if it exists.
 
-    An existing directory that others may read or list is made owner-only, with everything in it
-    that we own (`make_tree_private`), and a loud warning, since what was in it may have been read
-    already; with `fix=False` it is refused instead.
+    An existing data directory that others may read or list is made owner-only, with everything
+    rag keeps in it (HOME_ENTRIES, `make_tree_private`), and a loud warning, since what was in it
+    may have been read already; with `fix=False` it is refused instead. An empty one (made with
+    `mkdir` for rag) just becomes 0700. A directory anyone may write to (/tmp), or one holding
+    files but no data directory (a mistaken `--home ~`), is refused rather than changed.
 
     Args:
         path: the directory (a symlink to it is followed: data often lives on scratch).
@@ -73,16 +82,35 @@ def ensure_private_dir(path: Path, *, fix: bool = True) -> Path:
             "a data directory of your own (--home or RAG_HOME)")
     if not is_exposed(st.st_mode):
         return path
+    mode = stat.filemode(st.st_mode)
+    if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+        raise ConfigError(f"data directory {path} is a directory anyone may write to (mode {mode}), like /tmp: "
+                          "use a directory of your own (--home or RAG_HOME), e.g. ~/.rag")
+    names = os.listdir(path)
+    if not names:
+        os.chmod(path, PRIVATE_DIR_MODE)  # nothing in it was ever exposed
+        return path
+    if not any(os.path.lexists(path / marker) for marker in _HOME_MARKERS):
+        raise ConfigError(f"{path} is open to other users (mode {mode}) and holds files that are not a rag data "
+                          "directory: pass a new or empty directory as --home (or RAG_HOME), or make this one "
+                          f"owner-only yourself (chmod 700 {path})")
     if not fix:
         raise ConfigError(
-            f"data directory {path} is open to other users (mode {stat.filemode(st.st_mode)}): they can read "
-            f"every document's text in it. Run `chmod -R go-rwx {path}` and check who had access, or set "
-            "home_permissions = \"fix\" (RAG_HOME_PERMISSIONS=fix) to let rag do that")
-    changed = make_tree_private(path)
+            f"data directory {path} is open to other users (mode {mode}): they can read every document's text "
+            f"in it. Run `chmod -R go-rwx {path}` and check who had access, or set home_permissions = \"fix\" "
+            "(RAG_HOME_PERMISSIONS=fix) to let rag do that")
+    changed, leads_to_foreign = 0, False
+    for name in names:
+        if name in HOME_ENTRIES:
+            n, foreign = _tighten_tree(path / name)
+            changed, leads_to_foreign = changed + n, leads_to_foreign or foreign
+    os.chmod(path, PASS_THROUGH_DIR_MODE if leads_to_foreign else stat.S_IMODE(st.st_mode) & ~_GROUP_OTHER)
+    others = sorted(set(names) - HOME_ENTRIES)
     logger.warning(
-        "data directory %s was open to other users (mode %s): made it and everything in it owner-only "
-        "(%d modes changed). Other users may have read the documents in it before now; check who had access.",
-        path, stat.filemode(st.st_mode), changed)
+        "data directory %s was open to other users (mode %s): made it and everything rag keeps in it owner-only "
+        "(%d more modes changed)%s. Other users may have read the documents in it before now; check who had "
+        "access.", path, mode, changed,
+        f"; other files in it are left as they are, now out of others' reach: {', '.join(others)}" if others else "")
     return path
 
 

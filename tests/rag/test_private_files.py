@@ -119,14 +119,15 @@ def _open_old_home(home: Path) -> None:
 def test_an_open_home_is_made_owner_only_with_a_loud_warning(open_parent, caplog):
     home = open_parent / "home"
     _open_old_home(home)
+    (home / "notes.txt").write_text("the operator's own file")  # not rag's: left alone, named in the warning
 
     with caplog.at_level(logging.WARNING, logger="rag.private_files"):
         rag = Rag(load_settings(home=home))
     rag.close()
-    assert not_owner_only(home) == []
+    assert not_owner_only(home) == ["notes.txt -rw-r--r--"]  # out of others' reach inside the 0700 home
     warning = next(r for r in caplog.records if r.name == "rag.private_files")
     assert warning.levelno == logging.WARNING and str(home) in warning.getMessage()
-    assert "may have read" in warning.getMessage()
+    assert "may have read" in warning.getMessage() and "notes.txt" in warning.getMessage()
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rag.private_files"):
@@ -143,6 +144,36 @@ def test_an_open_home_is_refused_when_so_configured(open_parent, monkeypatch):
     assert str(home) in str(e.value)
     assert stat.S_IMODE(home.stat().st_mode) == 0o755  # left for the operator to look at
     assert stat.S_IMODE((home / "catalog.sqlite").stat().st_mode) == 0o644
+
+
+def test_an_empty_open_directory_just_becomes_0700(open_parent, caplog):
+    home = open_parent / "home"
+    home.mkdir()  # what `mkdir home` gives under umask 022
+    assert stat.S_IMODE(home.stat().st_mode) == 0o755
+    with caplog.at_level(logging.WARNING, logger="rag.private_files"):
+        Rag(load_settings(home=home)).close()
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700 and not caplog.records  # nothing was ever exposed in it
+
+
+def test_a_mistaken_home_is_refused_and_left_as_it_is(open_parent):
+    """`--home ~` or `--home /tmp`: rag must not rewrite the modes of a user's own files."""
+    user_home = open_parent / "alice"
+    (user_home / "public_html").mkdir(parents=True)
+    (user_home / "models").mkdir()  # a name rag uses too: still not a data directory
+    (user_home / "public_html" / "index.html").write_text("hello")
+    for path in (user_home, user_home / "public_html", user_home / "models"):
+        path.chmod(0o755)
+    before = {p: p.stat().st_mode for p in user_home.rglob("*")} | {user_home: user_home.stat().st_mode}
+    with pytest.raises(ConfigError, match="not a rag data directory.*new or empty directory"):
+        Rag(load_settings(home=user_home))
+    assert {p: p.stat().st_mode for p in before} == before and not (user_home / "catalog.sqlite").exists()
+
+    shared = open_parent / "scratch"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ConfigError, match="anyone may write to.*like /tmp"):
+        Rag(load_settings(home=shared))
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
 
 
 def test_another_users_directory_is_refused(open_parent):
