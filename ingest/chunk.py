@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,11 +89,19 @@ class Chunker:
 
         Every element's text ends up in some chunk (split elements across consecutive ones).
         """
-        pieces: list[_Piece] = []
-        for section in self._sections(doc):
-            self._chunk_section(section, pieces)
-        chunks = []
-        for i, (text, heading, pages) in enumerate(pieces):
+        elements: Iterable[Element] = doc.elements
+        if not doc.elements and doc.text.strip():
+            elements = [Element(kind="NarrativeText", text=doc.text)]
+        return list(self.iter_chunks(doc, elements))
+
+    def iter_chunks(self, doc: Document, elements: Iterable[Element]) -> Iterator[Chunk]:
+        """The chunks of `doc` whose elements are `elements`, produced as the elements are read.
+
+        The same chunks as `chunk` (it is this, over `doc.elements`), but a section is packed as
+        its elements arrive, so a huge document streams through with only the chunk being filled
+        in memory. `doc.elements` and `doc.text` are not read.
+        """
+        for i, (text, heading, pages) in enumerate(self._pieces(doc.title, elements)):
             n = self.count_tokens(text)
             assert n <= self.config.max_tokens, (n, text[:80])
             meta: dict[str, Any] = {}
@@ -100,77 +109,35 @@ class Chunker:
                 meta["page"] = pages[0]
                 if pages[-1] != pages[0]:
                     meta["page_end"] = pages[-1]
-            chunks.append(Chunk(document_key=doc.key, index=i, text=text, num_tokens=n,
-                                heading=heading, metadata=meta))
-        return chunks
+            yield Chunk(document_key=doc.key, index=i, text=text, num_tokens=n,
+                        heading=heading, metadata=meta)
 
     # ------------------------------------------------------------------------- sections
 
-    def _sections(self, doc: Document) -> list[_Section]:
-        elements = list(doc.elements)
-        if not elements and doc.text.strip():
-            elements = [Element(kind="NarrativeText", text=doc.text)]
-        title = doc.title.strip() if doc.title and doc.title.strip() else None
+    def _pieces(self, doc_title: str | None, elements: Iterable[Element]) -> Iterator[_Piece]:
+        """Sections as the elements come: a Title after body text closes the section before it."""
+        title = doc_title.strip() if doc_title and doc_title.strip() else None
         current = _Section(heading=title, titles=[title] if title else [], has_real_titles=False)
-        sections = [current]
+        packer: _SectionPacker | None = None  # opened at the section's first body element
         for el in elements:
             text = el.text.strip()
             if not text:
                 continue
             if el.kind != "Title":
-                current.body.append(Element(kind=el.kind, text=text, page=el.page))
-            elif current.body:
+                if packer is None:
+                    packer = _SectionPacker(self, current)
+                yield from packer.add(Element(kind=el.kind, text=text, page=el.page))
+            elif packer is not None:
+                yield from packer.close()
                 current = _Section(heading=text, titles=[text], has_real_titles=True)
-                sections.append(current)
+                packer = None
             elif not current.has_real_titles:
                 # The document-title fallback gives way to the first real heading.
                 current.heading, current.titles, current.has_real_titles = text, [text], True
             else:
                 current.titles.append(text)  # stacked headings: keep all, nearest is the heading
                 current.heading = text
-        return sections
-
-    def _chunk_section(self, section: _Section, out: list[_Piece]) -> None:
-        titles = list(section.titles)
-        body = list(section.body)
-        # The heading prefix may use at most half the cap; headings that don't fit become
-        # body text, so they are chunked like any other text instead of being lost.
-        moved: list[str] = []
-        while titles and self.count_tokens("\n".join(titles)) > self.config.max_tokens // 2:
-            moved.append(titles.pop(0))
-        if section.has_real_titles:
-            body = [Element(kind="Title", text=t) for t in moved] + body
-        # else: the fallback is Document.title, kept with the document; a too-long one is dropped.
-        prefix = "\n".join(titles)
-        if not body:
-            if section.has_real_titles and prefix:
-                out.append((prefix, section.heading, []))
-            return
-        parts: list[str] = []
-        pages: list[int] = []
-
-        def flush() -> None:
-            if parts:
-                out.append((self._compose(prefix, parts), section.heading, sorted(set(pages))))
-                parts.clear()
-                pages.clear()
-
-        for el in body:
-            if self._fits(self._compose(prefix, [*parts, el.text])):
-                parts.append(el.text)
-            else:
-                flush()
-                if self._fits(self._compose(prefix, [el.text])):
-                    parts.append(el.text)
-                else:
-                    windows = self._split(el.text, prefix)
-                    for w in windows[:-1]:
-                        out.append((self._compose(prefix, [w]), section.heading,
-                                    [el.page] if el.page is not None else []))
-                    parts.append(windows[-1])  # the tail may still share a chunk with what follows
-            if el.page is not None:
-                pages.append(el.page)
-        flush()
+        yield from (packer or _SectionPacker(self, current)).close()
 
     @staticmethod
     def _compose(prefix: str, parts: list[str]) -> str:
@@ -245,3 +212,72 @@ class Chunker:
             if i == 0 or any(c.isspace() for c in text[offsets[i - 1][1]:offsets[i][0]]):
                 return max(i, start + 1)
         return max(end, start + 1)
+
+
+class _SectionPacker:
+    """Packs one section's body elements, given one at a time, into pieces under the cap.
+
+    The heading prefix may use at most half the cap; headings that don't fit become body text
+    (fed first), so they are chunked like any other text instead of being lost.
+    """
+
+    def __init__(self, chunker: Chunker, section: _Section) -> None:
+        self.chunker = chunker
+        self.heading = section.heading
+        titles = list(section.titles)
+        moved: list[str] = []
+        while titles and chunker.count_tokens("\n".join(titles)) > chunker.config.max_tokens // 2:
+            moved.append(titles.pop(0))
+        self.prefix = "\n".join(titles)
+        self.has_real_titles = section.has_real_titles
+        # else: the fallback is Document.title, kept with the document; a too-long one is dropped.
+        self._moved = [Element(kind="Title", text=t) for t in moved] if section.has_real_titles else []
+        self._has_body = False
+        self._parts: list[str] = []
+        self._pages: list[int] = []
+
+    def add(self, el: Element) -> list[_Piece]:
+        out = self._take_moved()
+        self._add(el, out)
+        return out
+
+    def close(self) -> list[_Piece]:
+        out = self._take_moved()
+        if not self._has_body:
+            if self.has_real_titles and self.prefix:
+                out.append((self.prefix, self.heading, []))
+            return out
+        self._flush(out)
+        return out
+
+    def _take_moved(self) -> list[_Piece]:
+        out: list[_Piece] = []
+        moved, self._moved = self._moved, []
+        for el in moved:
+            self._add(el, out)
+        return out
+
+    def _add(self, el: Element, out: list[_Piece]) -> None:
+        self._has_body = True
+        c = self.chunker
+        if c._fits(c._compose(self.prefix, [*self._parts, el.text])):
+            self._parts.append(el.text)
+        else:
+            self._flush(out)
+            if c._fits(c._compose(self.prefix, [el.text])):
+                self._parts.append(el.text)
+            else:
+                windows = c._split(el.text, self.prefix)
+                for w in windows[:-1]:
+                    out.append((c._compose(self.prefix, [w]), self.heading,
+                                [el.page] if el.page is not None else []))
+                self._parts.append(windows[-1])  # the tail may still share a chunk with what follows
+        if el.page is not None:
+            self._pages.append(el.page)
+
+    def _flush(self, out: list[_Piece]) -> None:
+        if self._parts:
+            out.append((self.chunker._compose(self.prefix, self._parts), self.heading,
+                        sorted(set(self._pages))))
+            self._parts.clear()
+            self._pages.clear()

@@ -1,0 +1,182 @@
+"""Chunks → fixed-size embed batches → committed: after each batch, all its work is durable.
+
+Each embed call takes at most `batch_chunks` chunks, from as many documents as it takes to fill
+it. When it returns, every document whose last chunk it embedded is written to the store (one
+transaction each), and the embedded chunks of the document still being read are staged
+(`ingest.staging`), so a kill at any moment loses at most the batch being embedded, and a huge
+document never shows half of a new version: it is written whole once its last chunk is embedded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ingest.staging import ChunkStaging, text_hash
+from rag.types import Chunk, Document
+from retrieval.base import CollectionStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenDocument:
+    """A document whose chunks are being embedded."""
+
+    doc: Document
+    acl: frozenset[str]
+    is_new: bool
+    num_chunks: int = 0  # chunks produced so far (all of them once `complete`)
+    num_tokens: int = 0
+    complete: bool = False
+    waiting: int = 0  # chunks in the queue, not embedded yet
+    reused: int = 0  # chunks found staged by an earlier run, not embedded again
+    _staged: dict[int, str] = field(default_factory=dict)  # index -> text hash, in the staging file
+    _ready: list[Chunk] = field(default_factory=list)  # embedded in the last batch, not staged
+    _vectors: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class CommitCounts:
+    """What the committer did, for the run's report and progress."""
+
+    chunks_embedded: int = 0  # sent to the embedder in this run
+    tokens_embedded: int = 0
+    chunks_resumed: int = 0  # taken from staging instead (embedded by an interrupted run)
+    batches: int = 0
+
+
+class BatchCommitter:
+    """Queues the chunks of one document at a time and commits after every embed batch."""
+
+    def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray], batch_chunks: int,
+                 staging: ChunkStaging, on_written: Callable[[OpenDocument], None],
+                 clock: Callable[[str], AbstractContextManager[None]],
+                 on_batch: Callable[[CommitCounts], None] | None = None) -> None:
+        """
+        Args:
+            on_written: called after a document was written to the store.
+            clock: clock(stage) times a stage ("embed", "write").
+            on_batch: called after each embed batch was committed (progress).
+        """
+        assert batch_chunks >= 1
+        self.index = index
+        self.embed = embed
+        self.batch_chunks = batch_chunks
+        self.staging = staging
+        self.on_written = on_written
+        self.clock = clock
+        self.on_batch = on_batch
+        self.counts = CommitCounts()
+        self.max_batch = 0  # the largest embed call (tests)
+        self._queue: list[tuple[OpenDocument, Chunk]] = []
+        self._current: OpenDocument | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def begin(self, doc: Document, acl: frozenset[str], is_new: bool) -> None:
+        """Start a document; its chunks follow through `add`, then `end` (or `abort`)."""
+        assert self._current is None, "end() or abort() the previous document first"
+        entry = OpenDocument(doc, acl, is_new)
+        entry._staged = self.staging.staged(doc.key, doc.content_hash)
+        self._current = entry
+
+    def add(self, chunk: Chunk) -> None:
+        """Queue one chunk of the current document (unless an interrupted run staged it already)."""
+        entry = self._current
+        assert entry is not None and chunk.index == entry.num_chunks
+        entry.num_chunks += 1
+        entry.num_tokens += chunk.num_tokens
+        if entry._staged.get(chunk.index) == text_hash(chunk.text):
+            entry.reused += 1
+            self.counts.chunks_resumed += 1
+            return
+        if len(self._queue) >= self.batch_chunks:
+            # Full: embed it before this chunk joins. A queue that the document's last chunk
+            # fills waits for the caller's flush after `end`, so that document is written, not staged.
+            self.flush()
+        entry.waiting += 1
+        self._queue.append((entry, chunk))
+
+    def end(self) -> int:
+        """The current document has no more chunks; returns how many it had (0: nothing is written)."""
+        entry, self._current = self._current, None
+        assert entry is not None
+        entry.complete = True
+        if entry.num_chunks and entry.waiting == 0:  # its last chunk was embedded (or staged) already
+            self._write(entry)
+        return entry.num_chunks
+
+    def abort(self) -> None:
+        """Drop the current document: its queued chunks are not embedded, its staged ones go."""
+        entry, self._current = self._current, None
+        if entry is None:
+            return
+        self._queue = [(e, c) for e, c in self._queue if e is not entry]
+        if entry._staged or entry.num_chunks:
+            self.staging.discard(entry.doc.key)
+
+    def flush(self) -> None:
+        """Embed the queued chunks, then write the documents they complete and stage the rest."""
+        if not self._queue:
+            return
+        queue, self._queue = self._queue, []
+        with self.clock("embed"):
+            vectors = self.embed([c.text for _, c in queue])
+        self.max_batch = max(self.max_batch, len(queue))
+        touched: dict[int, OpenDocument] = {}
+        for (entry, chunk), vector in zip(queue, vectors, strict=True):
+            entry._ready.append(chunk)
+            entry._vectors.append(vector)
+            entry.waiting -= 1
+            touched[id(entry)] = entry
+        self.counts.chunks_embedded += len(queue)
+        self.counts.tokens_embedded += sum(c.num_tokens for _, c in queue)
+        self.counts.batches += 1
+        log.info("embedded batch %d: %d chunks (%d in this run)", self.counts.batches, len(queue),
+                 self.counts.chunks_embedded)
+        with self.clock("write"):
+            for entry in touched.values():
+                if entry.complete and entry.waiting == 0:
+                    self._write(entry)
+                else:  # still being read (or waiting for more of its chunks): keep the work
+                    self._stage(entry)
+        if self.on_batch is not None:
+            self.on_batch(self.counts)
+
+    def _stage(self, entry: OpenDocument) -> None:
+        if not entry._ready:
+            return
+        self.staging.put(entry.doc.key, entry.doc.content_hash, entry._ready, np.stack(entry._vectors))
+        entry._staged.update((c.index, text_hash(c.text)) for c in entry._ready)
+        entry._ready, entry._vectors = [], []
+
+    def _write(self, entry: OpenDocument) -> None:
+        doc = entry.doc
+        if entry._staged:
+            staged, staged_vectors = self.staging.take(doc.key, doc.content_hash, self.index.info.dim)
+            # What this run embedded replaces a staged row of the same index.
+            fresh = {c.index for c in entry._ready}
+            keep = [j for j, c in enumerate(staged) if c.index < entry.num_chunks and c.index not in fresh]
+            chunks = [staged[j] for j in keep] + entry._ready
+            vectors = np.concatenate([staged_vectors[keep], *(v[None] for v in entry._vectors)]) \
+                if entry._vectors else staged_vectors[keep]
+            order = np.argsort([c.index for c in chunks], kind="stable")
+            chunks = [chunks[j] for j in order]
+            vectors = vectors[order]
+        else:
+            chunks, vectors = entry._ready, np.stack(entry._vectors)
+        assert [c.index for c in chunks] == list(range(entry.num_chunks)), doc.key
+        self.index.replace_document(doc, entry.acl, chunks, vectors)
+        if entry._staged:
+            # After the store's commit: a kill in between leaves rows that the next run drops (the
+            # document is unchanged then, and a finished run deletes the staging file).
+            self.staging.discard(doc.key)
+        entry._ready, entry._vectors, entry._staged = [], [], {}
+        self.on_written(entry)
