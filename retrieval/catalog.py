@@ -263,14 +263,16 @@ class Catalog:
                 if not docs:
                     keyword_domains.drop_collection_domains(self.conn, name)
                     self.conn.execute("DELETE FROM collections WHERE name = ?", (name,))
-                    return deleted
-                ids = [d[0] for d in docs]
-                for doc_id, acl in docs:
-                    keyword_domains.unindex_chunks(self.conn, name, acl, self._chunk_texts(doc_id))
-                marks = ",".join("?" * len(ids))
-                self.conn.execute(f"DELETE FROM documents WHERE id IN ({marks})", ids)
-                self._bump(name)
-            deleted += len(ids)
+                else:
+                    for doc_id, acl in docs:
+                        keyword_domains.unindex_chunks(self.conn, name, acl, self._chunk_texts(doc_id))
+                    marks = ",".join("?" * len(docs))
+                    self.conn.execute(f"DELETE FROM documents WHERE id IN ({marks})", [d[0] for d in docs])
+                    self._bump(name)
+            if not docs:
+                self.purge_removed_text()  # the dropped text may still sit in the WAL
+                return deleted
+            deleted += len(docs)
 
     def missing_documents(self, collection: str, other: str, limit: int = 5) -> tuple[int, list[str]]:
         """Documents of `collection` that `other` lacks: (how many, the first `limit` keys)."""

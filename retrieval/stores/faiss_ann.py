@@ -318,6 +318,9 @@ class IvfStore(_AnnStore):
         labels = [self._label_of[int(i)] for i in np.asarray(ids, dtype=np.int64) if int(i) in self._label_of]
         if labels and self.index.is_trained:
             self.index.remove_ids(np.asarray(labels, dtype=np.int64))
+        # The lists no longer hold these rows; zero our copy too, so the next saved file holds no
+        # removed vector (embeddings can be partly inverted to text). Dead rows are never read.
+        self._vecs[labels] = 0.0
         super().remove(ids)
 
     def _train_and_fill(self) -> None:

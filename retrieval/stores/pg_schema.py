@@ -100,6 +100,41 @@ ALTER TABLE rag_collections ADD COLUMN generation integer NOT NULL DEFAULT 1 CHE
 ALTER TABLE rag_collections ADD COLUMN live boolean NOT NULL DEFAULT true;
 CREATE UNIQUE INDEX rag_collections_live ON rag_collections (public_name) WHERE live;
 """),
+    # Keyword search by ACL domain (issue 13): the GIN index on `tsv` kept one posting list per
+    # word over every chunk, so a search read (and spent time on) the postings of chunks the
+    # caller may not read. `kw` holds each word of a chunk prefixed with its domain's tag (a
+    # hash of collection and ACL), so a search looks up only `tag:word` keys of readable
+    # domains, and `tsv` is only evaluated on those candidates. fastupdate off: a GIN pending
+    # list is scanned whole by every search, whatever ACL its entries have.
+    (3, """
+CREATE FUNCTION rag_keyword_domain(collection text, acl text[]) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    AS $$ SELECT left(md5(collection || chr(31) || array_to_string(acl, chr(31))), 16) $$;
+CREATE FUNCTION rag_keyword_keys(collection text, acl text[], heading text, body text) RETURNS text[]
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT coalesce(array_agg(rag_keyword_domain(collection, acl) || ':' || l.lexeme), '{}')
+          FROM unnest(to_tsvector('english', coalesce(heading, '')) || to_tsvector('english', body)) AS l $$;
+ALTER TABLE rag_chunks ADD COLUMN kw text[]
+    GENERATED ALWAYS AS (rag_keyword_keys(collection, acl, heading, text)) STORED;
+CREATE TABLE rag_keyword_domains (
+    collection text NOT NULL REFERENCES rag_collections(name) ON DELETE CASCADE,
+    acl        text[] NOT NULL,
+    tag        text NOT NULL,
+    PRIMARY KEY (collection, acl)
+);
+INSERT INTO rag_keyword_domains (collection, acl, tag)
+    SELECT DISTINCT collection, acl, rag_keyword_domain(collection, acl) FROM rag_chunks;
+CREATE INDEX rag_chunks_kw ON rag_chunks USING gin (kw) WITH (fastupdate = off);
+-- The chunks holding any of `keys`, read through rag_chunks_kw only: the SET clause keeps the
+-- planner from scanning the whole table instead (which would read every chunk), without a
+-- transaction round trip per search for SET LOCAL.
+CREATE FUNCTION rag_keyword_candidates(keys text[]) RETURNS TABLE (id bigint, collection text, acl text[], tsv tsvector)
+    LANGUAGE sql STABLE PARALLEL SAFE SET enable_seqscan = off
+    AS $$ SELECT c.id, c.collection, c.acl, c.tsv FROM rag_chunks c WHERE c.kw && keys $$;
+DROP INDEX rag_chunks_tsv;
+ALTER INDEX rag_chunks_acl SET (fastupdate = off);
+SELECT gin_clean_pending_list('rag_chunks_acl');
+"""),
 ]
 
 LATEST = MIGRATIONS[-1][0]

@@ -170,6 +170,7 @@ class PgCollection:
                     copy.set_types(_CHUNK_TYPES)
                     for row in rows:
                         copy.write_row(row)
+                self._add_keyword_domain(conn, acl_list)
 
         self._write(f"writing document {doc.key!r}", write)
 
@@ -192,6 +193,7 @@ class PgCollection:
                 raise NotFoundError(f"no document {key!r} in collection {self.name!r}; ingest it first")
             conn.execute("UPDATE rag_chunks SET acl = %s WHERE collection = %s AND document_key = %s",
                          (acl_list, self.physical, key))
+            self._add_keyword_domain(conn, acl_list)
 
         self._write(f"changing the ACL of {key!r}", write)
 
@@ -202,6 +204,12 @@ class PgCollection:
             conn.execute("DELETE FROM rag_documents WHERE collection = %s AND key = %s", (self.physical, key))
 
         self._write(f"deleting document {key!r}", write)
+
+    def _add_keyword_domain(self, conn: psycopg.Connection, acl_list: list[str]) -> None:
+        """Record that chunks with this ACL exist, so keyword searches look up its `tag:word` keys."""
+        conn.execute("INSERT INTO rag_keyword_domains (collection, acl, tag)"
+                     " VALUES (%(name)s, %(acl)s, rag_keyword_domain(%(name)s, %(acl)s)) ON CONFLICT DO NOTHING",
+                     {"name": self.physical, "acl": acl_list})
 
     def _durable(self, conn: psycopg.Connection) -> None:
         """Make the current transaction's commit wait for its WAL flush (a revocation must survive a crash)."""
@@ -313,25 +321,48 @@ class PgCollection:
         Terms come from `keyword.query_terms` (the same words the SQLite side searches); each one
         goes through `phraseto_tsquery` as a value, never as tsquery syntax, so `E-VCF-017` is
         the phrase "e-vcf e vcf 017" as the documents' parser splits it, and the terms are OR-ed.
+        Candidates come from the `kw` index by `tag:word` keys of the readable ACL domains only
+        (migration 3), so the work done never depends on chunks the principal may not read.
         """
+        statement, params = self._keyword_sql(text, k, tokens)
+        if statement is None:
+            return []
+        rows = self._read("keyword search", lambda conn: conn.execute(statement, params).fetchall())
+        return [(int(i), float(s)) for i, s in rows]
+
+    def keyword_plan(self, text: str, k: int, tokens: Sequence[str]) -> dict | None:
+        """EXPLAIN (ANALYZE, BUFFERS) of a keyword search as JSON: the work it did (rows, pages)."""
+        statement, params = self._keyword_sql(text, k, tokens)
+        if statement is None:
+            return None
+
+        explain = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) ") + statement
+        return self._read("explaining a keyword search", lambda conn: conn.execute(explain, params).fetchone()[0][0])
+
+    def _keyword_sql(self, text: str, k: int, tokens: Sequence[str]) -> tuple[sql.Composed | None, dict]:
         terms = query_terms(_text(text))
         tokens = sorted(set(tokens))
         if not terms or not tokens or k <= 0:
-            return []
-        params: dict[str, object] = {"name": self.physical, "tokens": tokens, "k": k}
+            return None, {}
+        params: dict[str, object] = {"name": self.physical, "tokens": tokens, "k": k, "terms": terms}
         params.update({f"t{n}": t for n, t in enumerate(terms)})
         tsquery = sql.SQL(" || ").join(
             sql.SQL("phraseto_tsquery('english', {})").format(sql.Placeholder(f"t{n}")) for n in range(len(terms)))
-        # A scalar subquery is computed once (an InitPlan), so the GIN index on tsv can use it.
+        # keys: `tag:lexeme` for every readable domain and every lexeme of the terms (a phrase's
+        # words each; `tsv @@` below then checks the phrase itself). Candidates come from
+        # rag_keyword_candidates (the kw index only, see migration 3), materialized so that no
+        # other condition reaches rag_chunks. Scalar subqueries are computed once (InitPlans).
         # Weights {D, C, B, A}: a term in the heading (A) counts twice one in the text (B).
         statement = sql.SQL(
-            "SELECT id, ts_rank_cd('{{0, 0, 0.5, 1}}', tsv, (SELECT {tsq})) AS score FROM rag_chunks"
+            "WITH keys AS (SELECT array_agg(d.tag || ':' || l.lexeme) AS k FROM rag_keyword_domains d,"
+            " unnest(%(terms)s::text[]) AS t(term), unnest(to_tsvector('english', t.term)) AS l"
+            " WHERE d.collection = %(name)s AND d.acl && %(tokens)s::text[]),"
+            " candidates AS MATERIALIZED (SELECT * FROM rag_keyword_candidates((SELECT k FROM keys)))"
+            " SELECT id, ts_rank_cd('{{0, 0, 0.5, 1}}', tsv, (SELECT {tsq})) AS score FROM candidates"
             " WHERE collection = %(name)s AND acl && %(tokens)s::text[] AND tsv @@ (SELECT {tsq})"
             " ORDER BY score DESC, id LIMIT %(k)s"
         ).format(tsq=tsquery)
-        rows = self._read("keyword search", lambda conn: conn.execute(
-            statement, params).fetchall())
-        return [(int(i), float(s)) for i, s in rows]
+        return statement, params
 
     def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
         """Chunks of this collection by id, with their document's key, source, title and ACL."""

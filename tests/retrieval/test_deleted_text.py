@@ -121,3 +121,29 @@ def test_the_wal_is_emptied_after_a_removal(index):
     index.save()
     wal = index.catalog.path.with_name(index.catalog.path.name + "-wal")
     assert not wal.exists() or wal.stat().st_size == 0
+
+
+@pytest.mark.parametrize(("kind", "rows"), [("faiss", 50), ("faiss-ivf", 50), ("faiss-ivf", 1100)])
+def test_a_removed_vector_is_not_in_the_saved_index_file(tmp_path, kind, rows):
+    """Flat and IVF files drop a removed vector (HNSW keeps it in its graph until compaction: documented)."""
+    from retrieval.stores import make_store
+
+    store = make_store(kind, DIM, None)
+    vectors = np.random.default_rng(7).normal(size=(rows, DIM)).astype(np.float32)
+    store.add(np.arange(rows, dtype=np.int64), vectors)
+    path = tmp_path / "index.bin"
+    store.save(path)
+    assert vectors[3].tobytes() in path.read_bytes()
+    store.remove(np.array([3], dtype=np.int64))
+    store.save(path)
+    assert vectors[3].tobytes() not in path.read_bytes()
+    assert vectors[4].tobytes() in path.read_bytes()
+
+
+def test_a_dropped_collection_leaves_no_text_in_the_catalog_files(index):
+    _secret(index)
+    catalog = index.catalog
+    catalog.drop_collection("docs", batch=7)
+    catalog_files = [n for n in _holding(catalog.path.parent, MARKER) if n.startswith(catalog.path.name)]
+    assert catalog_files == []
+    assert catalog.conn.execute("SELECT COUNT(*) FROM keyword_domains").fetchone()[0] == 0

@@ -11,7 +11,6 @@ import pytest
 from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.types import Chunk, Document
-from retrieval import catalog as catalog_module
 from retrieval import keyword_domains
 from retrieval.catalog import SCHEMA, Catalog, connect
 from retrieval.keyword import MAX_TERMS, fts5_match, query_terms
