@@ -4,8 +4,9 @@ Why split: a single FTS5 table over every chunk reads the whole posting list of 
 then drops the rows the caller may not read, so the work of a keyword search (and its time)
 grew with the number of *unreadable* chunks containing the term: a caller could tell whether
 a guessed identifier occurs in documents they may not open. Here all chunks of one domain share
-one ACL, and a search opens only the tables of domains the principal may read, so every page
-and posting it visits belongs to a readable chunk. Unreadable text is never touched.
+one ACL, and a search opens only the tables of domains the principal may read, so every term
+lookup, posting and row it visits belongs to a readable chunk (the work is counted in
+tests/retrieval/test_keyword_work.py). Unreadable text is never searched.
 
 A domain table is an external-content FTS5 table whose content is a view of that domain's
 chunks (no second copy of the text; 'rebuild' and 'integrity-check' work per domain). The
