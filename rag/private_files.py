@@ -29,8 +29,9 @@ PASS_THROUGH_DIR_MODE = 0o711
 _GROUP_OTHER = 0o077
 _GROUP_OTHER_READ_WRITE = 0o066
 # What rag puts in a data directory (rag/settings.py, rag/audit.py, rag/db.py, ingest/shards.py,
-# ingest/staging.py). An open directory is tightened only where a marker says it is a data
-# directory, and only these entries in it, so a mistaken `--home ~` never rewrites a user's files.
+# ingest/staging.py). An open directory is tightened only if it holds nothing else (an operator's
+# rag.toml, a models link) or a marker says it is a data directory, and then only these entries in
+# it, so a mistaken `--home ~` never rewrites a user's files.
 HOME_ENTRIES = frozenset({
     "catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "catalog.sqlite-journal",
     "indexes", "models", "shards", "staging", "postgres", "audit.jsonl", "rag.toml"})
@@ -90,7 +91,8 @@ def ensure_private_dir(path: Path, *, fix: bool = True) -> Path:
     if not names:
         os.chmod(path, PRIVATE_DIR_MODE)  # nothing in it was ever exposed
         return path
-    if not any(os.path.lexists(path / marker) for marker in _HOME_MARKERS):
+    is_home = set(names) <= HOME_ENTRIES or any(os.path.lexists(path / marker) for marker in _HOME_MARKERS)
+    if not is_home:
         raise ConfigError(f"{path} is open to other users (mode {mode}) and holds files that are not a rag data "
                           "directory: pass a new or empty directory as --home (or RAG_HOME), or make this one "
                           f"owner-only yourself (chmod 700 {path})")
@@ -108,7 +110,7 @@ def ensure_private_dir(path: Path, *, fix: bool = True) -> Path:
     others = sorted(set(names) - HOME_ENTRIES)
     logger.warning(
         "data directory %s was open to other users (mode %s): made it and everything rag keeps in it owner-only "
-        "(%d more modes changed)%s. Other users may have read the documents in it before now; check who had "
+        "(%d more modes changed)%s. Other users may have read what was in it before now; check who had "
         "access.", path, mode, changed,
         f"; other files in it are left as they are, now out of others' reach: {', '.join(others)}" if others else "")
     return path

@@ -155,11 +155,23 @@ def test_an_empty_open_directory_just_becomes_0700(open_parent, caplog):
     assert stat.S_IMODE(home.stat().st_mode) == 0o700 and not caplog.records  # nothing was ever exposed in it
 
 
+def test_a_prepared_open_directory_is_taken_as_a_data_directory(open_parent):
+    """`mkdir home; vi home/rag.toml`: the operator's settings file is rag's, the directory too."""
+    home = open_parent / "home"
+    home.mkdir()
+    (home / "rag.toml").write_text('collection = "lab"\n')
+    assert stat.S_IMODE((home / "rag.toml").stat().st_mode) == 0o644
+    rag = Rag(load_settings(home=home))
+    assert rag.settings.collection == "lab"
+    rag.close()
+    assert not_owner_only(home) == []
+
+
 def test_a_mistaken_home_is_refused_and_left_as_it_is(open_parent):
     """`--home ~` or `--home /tmp`: rag must not rewrite the modes of a user's own files."""
     user_home = open_parent / "alice"
     (user_home / "public_html").mkdir(parents=True)
-    (user_home / "models").mkdir()  # a name rag uses too: still not a data directory
+    (user_home / "models").mkdir()  # a name rag uses too; public_html is not, so this is no data directory
     (user_home / "public_html" / "index.html").write_text("hello")
     for path in (user_home, user_home / "public_html", user_home / "models"):
         path.chmod(0o755)
