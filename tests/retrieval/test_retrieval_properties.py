@@ -169,6 +169,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.backend.write(key, acl, texts)
         self.versions[key] = 0
         self.ref.put(key, acl, texts, mark)
+        self._ask(data)
 
     @rule(data=st.data())
     def edit(self, data) -> None:
@@ -181,6 +182,7 @@ class StoreMachine(RuleBasedStateMachine):
         texts = chunk_texts(data.draw, mark)
         self.backend.write(key, acl, texts)
         self.ref.put(key, acl, texts, mark)
+        self._ask(data)
 
     @rule(data=st.data())
     def repermission(self, data) -> None:
@@ -191,6 +193,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.backend.writer.set_acl(key, acl)
         doc = self.ref.docs[key]
         self.ref.put(key, acl, doc.texts, doc.mark)
+        self._ask(data)  # a narrowed ACL holds from the very next request
 
     @rule(data=st.data())
     def delete(self, data) -> None:
@@ -200,13 +203,15 @@ class StoreMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(self._keys()), label="delete")
         self.backend.writer.delete_document(key)
         self.ref.delete(key)
-
-    @rule()
-    def save(self) -> None:
-        self.backend.writer.save()
+        self._ask(data)
 
     @rule(data=st.data())
-    def ask(self, data) -> None:
+    def save(self, data) -> None:
+        self.backend.writer.save()
+        self._ask(data)
+
+    def _ask(self, data) -> None:
+        """The checks after every step: random principals and questions through the reader."""
         for _ in range(2):
             principal = data.draw(principals, label="principal")
             question = data.draw(queries(self.ref), label="question")
@@ -226,7 +231,7 @@ def test_no_store_shows_what_it_should_not(kind, request):
     machine = type(f"StoreMachine_{kind.replace('-', '_').replace(':', '_')}", (StoreMachine,),
                    {"KIND": kind, "PG_SERVER": pg})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=scaled(8, 400), stateful_step_count=scaled(10, 30), deadline=None,
+        max_examples=scaled(8, 150), stateful_step_count=scaled(10, 25), deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
 
 
@@ -245,7 +250,7 @@ def split_corpus(draw):
 
 
 @pytest.mark.parametrize("kind", ["faiss", "pgvector"])
-@settings(max_examples=scaled(10, 300), deadline=None,
+@settings(max_examples=scaled(10, 200), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=split_corpus(), data=st.data())
 def test_unreadable_documents_change_nothing_a_principal_gets(kind, request, case, data):
