@@ -24,6 +24,7 @@ except that an ACL that cannot be determined (broken sidecar, invalid record ACL
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
@@ -141,9 +142,12 @@ class ServiceMachine(RuleBasedStateMachine):
         return self.texts[doc]
 
     def _ingest(self) -> None:
-        # The operator means every deletion here (the guard against mass deletion, which keeps
-        # the documents of a vanished tree as they were, would hold most of these tiny corpora).
-        self.rag.ingest([self.root], collection=self.collection, allow_mass_delete=True)
+        # The operator means every deletion here: the guard against mass deletion (ingest/deletion_guard.py,
+        # which keeps the documents of a vanished tree as they were) would hold most of these tiny corpora.
+        # Where that guard is not there yet, every deletion is made anyway: the same behaviour.
+        mean_it = {"allow_mass_delete": True} if "allow_mass_delete" in inspect.signature(self.rag.ingest).parameters \
+            else {}
+        self.rag.ingest([self.root], collection=self.collection, **mean_it)
 
     def _files(self) -> list[Path]:
         return sorted(p for p in self.root.rglob("*") if p.is_file() and p.suffix in (".md", ".txt"))
@@ -385,5 +389,5 @@ def _questions(ref: Reference, principal: Principal, step: int) -> list[str]:
 def test_the_service_never_shows_what_it_should_not(service):
     machine = type(f"ServiceMachine_{service.store}", (ServiceMachine,), {"SERVICE": service})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=scaled(3, 15), stateful_step_count=scaled(6, 12), deadline=None,
+        max_examples=scaled(2, 15), stateful_step_count=scaled(6, 12), deadline=None,
         suppress_health_check=list(HealthCheck)))
