@@ -157,6 +157,14 @@ def test_nothing_of_the_request_is_quoted_back(live):
         assert MARKER not in r.text and len(r.content) < 2000, r.text
 
 
+@pytest.mark.parametrize("chunk_id", ["\u00b2", "\u0661", "1" * 21, "-1", "1.0"])
+def test_a_chunk_id_that_is_not_ascii_digits_is_404(live, chunk_id):
+    # Found by the schema fuzz (slow profile): "²".isdigit() is true, int("²") raises: a 500.
+    url, keys = live
+    r = httpx.get(f"{url}/v1/documents/default/{chunk_id}", headers=_auth(keys["bob"]), timeout=30)
+    assert r.status_code == 404 and _error(r)["message"] == "no such document"
+
+
 def test_every_error_has_the_one_shape(live):
     url, keys = live
     cases = [

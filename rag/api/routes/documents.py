@@ -19,7 +19,7 @@ _NOT_FOUND = "no such document"
 
 @router.get("/documents/{collection}/{chunk_id}")
 async def get_document(collection: str, chunk_id: str, rag: RagDep, principal: PrincipalDep) -> dict:
-    if not chunk_id.isdigit() or len(chunk_id) > 20:
+    if not (chunk_id.isascii() and chunk_id.isdigit()) or len(chunk_id) > 20:  # "²".isdigit(), but int() refuses it
         raise ApiError(404, _NOT_FOUND)
     record = await asyncio.to_thread(rag.readable_chunk, collection, int(chunk_id), principal)
     if record is None:
