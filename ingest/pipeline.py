@@ -26,9 +26,20 @@ from typing import TypeVar
 
 import numpy as np
 
+from ingest.acl_changes import AclProblem, Widening, widens
 from ingest.chunk import Chunker
+from ingest.deletion_guard import DeletionGuard, DeletionRefusal
 from ingest.parse import parse_item
-from ingest.sources import SourceItem, SourceProblem, count_sources, scan_roots, walk_sources
+from ingest.sources import (
+    COVERS_SOURCE,
+    SourceItem,
+    SourceProblem,
+    count_sources,
+    has_sources,
+    scan_roots,
+    walk_sources,
+)
+from ingest.vanished import NOBODY, Holds, restrict, settle_vanished
 from rag.errors import IngestError
 from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
@@ -53,7 +64,8 @@ class Problem:
 
 @dataclass
 class IngestReport:
-    """What a run did; `ok` is False when any source failed."""
+    """What a run did; `ok` is False when any source failed, any ACL could not be determined, or
+    deletions were refused."""
 
     added: int = 0
     updated: int = 0
@@ -65,10 +77,13 @@ class IngestReport:
     problems: list[Problem] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # per stage, and "total"
     build: BuildOutcome | None = None  # set when the run built a new version of the collection
+    acl_errors: list[AclProblem] = field(default_factory=list)  # stored/kept readable by nobody
+    widened: list[Widening] = field(default_factory=list)  # readable by more principals than before
+    deletion_refused: DeletionRefusal | None = None  # too many deletions at once: none were made
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.acl_errors and self.deletion_refused is None
 
     @property
     def documents(self) -> int:
@@ -95,6 +110,9 @@ class IngestReport:
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "rates": self.rates(),
             "build": self.build.as_dict() if self.build else None,
+            "acl_errors": [a.as_dict() for a in self.acl_errors],
+            "widened": [w.as_dict() for w in self.widened],
+            "deletion_refused": self.deletion_refused.as_dict() if self.deletion_refused else None,
         }
 
 
@@ -110,9 +128,12 @@ class IngestPipeline:
     """Brings a collection in line with the sources under some paths."""
 
     def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray],
-                 chunker: Chunker, batch_chunks: int = 256) -> None:
+                 chunker: Chunker, batch_chunks: int = 256,
+                 guard: DeletionGuard | None = None) -> None:
         """
         Args:
+            guard: how much a run may delete (default: at most half the collection, and never
+                everything under a root that yields nothing).
             index: where documents go; a `retrieval.rebuild.CollectionBuild` is promoted at the end
                 of a run that completed it.
             batch_chunks: chunks embedded per call; parsed documents wait for the embedder until
@@ -123,6 +144,7 @@ class IngestPipeline:
         self.chunker = chunker
         self.batch_chunks = batch_chunks
         self.max_pending_chunks = 0  # the most chunks that ever waited for the embedder (tests)
+        self.guard = guard or DeletionGuard()
 
     def run(self, paths: Sequence[Path], progress: ProgressFn | None = None,
             shard: tuple[int, int] | None = None) -> IngestReport:
@@ -137,6 +159,9 @@ class IngestPipeline:
 
         Raises:
             ConfigError: a path does not exist (nothing is changed then).
+            MassDeleteError: a root yields no sources while the collection holds documents
+                under it (an unmounted file system?), unless the guard allows mass deletes
+                (nothing is changed then).
         """
         started = time.perf_counter()
         report = IngestReport()
@@ -149,6 +174,7 @@ class IngestPipeline:
                 total = count_sources(roots)
             # Shrinks as sources are found: what is left at the end has no source any more.
             stored = self.index.document_states()
+            self.guard.check_roots(roots, stored, has_sources)
         if progress:
             progress("ingest", 0, total)
         if isinstance(self.index, CollectionBuild):
@@ -157,16 +183,21 @@ class IngestPipeline:
         def mine(key: str) -> bool:
             return shard is None or shard_of(key, shard[1]) == shard[0]
 
-        failed_files: set[str] = set()  # files with a bad part: keep their stored records
+        num_mine = sum(1 for key in stored if mine(key))  # what the guard's fraction is of
+        holds = Holds()  # problems that speak for documents the walk could not see
         pending: list[_Pending] = []
         embedded = [0, 0]  # chunks, tokens: for progress
         for n, item in enumerate(_timed(walk_sources(roots), clock, "scan"), 1):
-            old = stored.pop(item.key, None)
+            is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
+            if is_hold:
+                holds.add(item)  # in every shard: what it covers may be any shard's
+            old = None if is_hold else stored.pop(item.key, None)
             if not mine(item.key):
                 pass
             elif isinstance(item, SourceProblem):
                 report.problems.append(Problem(item.key, item.reason))
-                failed_files.add(str(item.path))
+                if old is not None:
+                    self._keep(item, old, report, clock)
             else:
                 self._one(item, old, report, pending, clock)
             if progress:
@@ -178,13 +209,12 @@ class IngestPipeline:
         self._flush(pending, report, clock, progress, embedded)
 
         with clock("delete"):
-            for key in sorted(stored):
-                if not mine(key) or not _under_any(key, roots):
-                    continue
-                if any(key.startswith(f + "#") for f in failed_files):
-                    continue
-                self.index.delete_document(key)
-                report.deleted += 1
+            report.acl_errors.extend(holds.restrict_ambiguous(self.index, mine))
+            vanished = {k: s for k, s in stored.items() if mine(k) and _under_any(k, roots)}
+            outcome = settle_vanished(self.index, vanished, holds, self.guard, num_mine)
+            report.deleted = outcome.deleted
+            report.acl_errors.extend(outcome.held)
+            report.deletion_refused = outcome.refusal
         with clock("save"):
             self.index.save()
         if isinstance(self.index, CollectionBuild):
@@ -193,8 +223,24 @@ class IngestPipeline:
         report.seconds["total"] = time.perf_counter() - started
         return report
 
+    def _keep(self, problem: SourceProblem, old: DocumentState, report: IngestReport,
+              clock: _Clock) -> None:
+        """A stored document whose source failed stays, with the source's ACL now, else nobody's."""
+        acl = NOBODY if problem.acl is None else problem.acl
+        if problem.acl is None:
+            report.acl_errors.append(AclProblem(problem.key, f"kept, readable by nobody: {problem.reason}"))
+        elif widens(old.acl, acl):
+            report.widened.append(Widening(problem.key, old.acl, acl))
+        if old.acl != acl:
+            with clock("write"):
+                restrict(self.index, problem.key, acl)
+
     def _one(self, item: SourceItem, old: DocumentState | None, report: IngestReport,
              pending: list[_Pending], clock: _Clock) -> None:
+        if item.acl_error is not None:
+            report.acl_errors.append(AclProblem(item.key, item.acl_error))
+        if old is not None and widens(old.acl, item.acl):
+            report.widened.append(Widening(item.key, old.acl, item.acl))
         if old is not None and old.content_hash == item.content_hash:
             if old.acl != item.acl:
                 with clock("write"):
@@ -210,17 +256,27 @@ class IngestPipeline:
                 chunks = self.chunker.chunk(doc)
         except IngestError as e:
             report.problems.append(Problem(item.key, str(e)))
+            self._keep_acl(item, old, clock)
             return
         except Exception as e:  # a parser bug must not end the run; say what it was
             log.debug("parse failed for %s", item.key, exc_info=True)
             report.problems.append(Problem(item.key, f"{type(e).__name__}: {e}"))
+            self._keep_acl(item, old, clock)
             return
         if not chunks:
             report.problems.append(Problem(item.key, "no text extracted"))
+            self._keep_acl(item, old, clock)
             return
         # The store needs the chunks, not the whole text: a waiting document holds no more.
         doc = dataclasses.replace(doc, text="", elements=())
         pending.append(_Pending(doc, item.acl, chunks, is_new=old is None))
+
+    def _keep_acl(self, item: SourceItem, old: DocumentState | None, clock: _Clock) -> None:
+        # The stored version of a source that no longer parses stays, but under the source's
+        # ACL now: it may have been narrowed (or be unknown) since that version was written.
+        if old is not None and old.acl != item.acl:
+            with clock("write"):
+                restrict(self.index, item.key, item.acl)
 
     def _flush(self, pending: list[_Pending], report: IngestReport, clock: _Clock,
                progress: ProgressFn | None, embedded: list[int]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ingest.chunk import Chunker, ChunkingConfig
+from ingest.deletion_guard import DeletionGuard
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, shard_of
 from ingest.sources import scan_roots
 from rag.errors import ConfigError
@@ -94,7 +95,7 @@ def check_shard(shard: int, num_shards: int) -> None:
 
 
 def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard: int, num_shards: int,
-                 progress: ProgressFn | None = None) -> ShardIngest:
+                 progress: ProgressFn | None = None, allow_mass_delete: bool = False) -> ShardIngest:
     """Ingest shard `shard` of `num_shards` of the documents under `paths`.
 
     With pgvector the shard's documents go into the collection itself. With the embedded store
@@ -111,7 +112,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
     settings = rag.settings
     name = check_collection_name(collection or settings.collection)
     if settings.store == "pgvector":
-        report = rag.ingest(paths, name, progress, shard=(shard, num_shards))
+        report = rag.ingest(paths, name, progress, shard=(shard, num_shards), allow_mass_delete=allow_mass_delete)
         return ShardIngest(report, shard, num_shards, None, rag.index(name).stats())
 
     roots = scan_roots(paths)
@@ -142,7 +143,9 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         record.state = INGESTING
         write_record(directory, record)
         chunker = Chunker(embedder.tokenizer, cfg)
-        report = IngestPipeline(store, embedder.embed, chunker).run(roots, progress, shard=(shard, num_shards))
+        guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
+        report = IngestPipeline(store, embedder.embed, chunker, guard=guard).run(
+            roots, progress, shard=(shard, num_shards))
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
         write_record(directory, record)
         stats = store.stats()

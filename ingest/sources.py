@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ingest.source_names import SourceNamer
 from permissions.models import make_acl
 from permissions.sources import AclResolver
 from rag.errors import ConfigError, RagError
@@ -27,19 +29,37 @@ class SourceItem:
     kind: str  # "file" | "record"
     content_hash: str  # sha256 hex of the file bytes; for a record, of (text, title, metadata)
     acl: frozenset[str]
-    acl_origin: str  # "posix", "sidecar:/abs/.rag-acl.toml[#ruleN]" or "record"
+    acl_origin: str  # "posix", "sidecar:/abs/.rag-acl.toml[#ruleN]", "record" or "error"
     title: str | None = None  # records only
     text: str | None = None  # records only (files are parsed later)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Why the ACL could not be determined; then `acl` is empty (nobody) until that is fixed.
+    acl_error: str | None = None
+    # What citations call it: its path under the ingest root or a configured URL, never the
+    # absolute server path (ingest/source_names.py); "" for items made by hand.
+    display: str = ""
+
+
+# What stored documents a SourceProblem speaks for (they are kept, never deleted, meanwhile):
+COVERS_SOURCE = "source"  # the document with the problem's key, if stored
+COVERS_RECORDS = "records"  # the stored records of the JSONL file `path` that the walk did not yield
+COVERS_TREE = "tree"  # the stored documents at or under `path` that the walk did not yield
+COVERS_AGAIN = "again"  # the document `key`, yielded earlier in this walk: which source is meant is unknown
 
 
 @dataclass(frozen=True)
 class SourceProblem:
-    """A source that cannot be ingested, with a one-line human reason."""
+    """A source that cannot be ingested, with a one-line human reason.
+
+    The stored documents it covers stay, with `acl` if it is known, else readable by nobody:
+    a source that could not be read may have had its ACL narrowed meanwhile.
+    """
 
     key: str  # the item's key, f"{abs_path}:{lineno}" for a bad JSONL line, or a directory
     path: Path
     reason: str
+    acl: frozenset[str] | None = None  # the source's current ACL; None: it cannot be determined
+    covers: str = COVERS_SOURCE
 
 
 def scan_roots(paths: Sequence[Path | str]) -> list[Path]:
@@ -62,7 +82,7 @@ def scan_roots(paths: Sequence[Path | str]) -> list[Path]:
 
 
 def walk_sources(
-    paths: Sequence[Path | str], follow_symlinks: bool = False
+    paths: Sequence[Path | str], follow_symlinks: bool = False, namer: SourceNamer | None = None
 ) -> Iterator[SourceItem | SourceProblem]:
     """Yield every supported source under `paths`, in a deterministic (sorted) order.
 
@@ -78,7 +98,7 @@ def walk_sources(
         ConfigError: at call time (not on first iteration) when a path does not exist.
     """
     roots = scan_roots(paths)  # eager: a typo in a path fails before anything is read
-    return _Walker(follow_symlinks).walk(roots)
+    return _Walker(follow_symlinks, namer or SourceNamer()).walk(roots)
 
 
 def count_sources(paths: Sequence[Path | str], follow_symlinks: bool = False) -> int:
@@ -109,8 +129,9 @@ class _Candidate:
 class _Walker:
     """One walk over a list of roots: remembers what it has yielded and where it has been."""
 
-    def __init__(self, follow_symlinks: bool) -> None:
+    def __init__(self, follow_symlinks: bool, namer: SourceNamer | None = None) -> None:
         self.follow_symlinks = follow_symlinks
+        self.namer = namer or SourceNamer()
         self._seen_keys: set[str] = set()
         self._seen_dirs: set[Path] = set()
 
@@ -139,7 +160,9 @@ class _Walker:
             with os.scandir(d) as it:
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as e:
-            yield SourceProblem(str(d), d, f"cannot list directory: {e.strerror or e}")
+            # What is below is unknown, not gone (a stale NFS handle, a chmod): keep it, unreadable.
+            yield SourceProblem(str(d), d, f"cannot list directory: {e.strerror or e}",
+                                covers=COVERS_TREE)
             return
         for entry in entries:
             if entry.name.startswith("."):
@@ -154,7 +177,8 @@ class _Walker:
                     yield from self._candidate(path, resolver, explicit=False)
                 # else: sockets, FIFOs (reading one would block), devices, broken links
             except OSError as e:
-                yield SourceProblem(str(path), path, f"cannot read: {e.strerror or e}")
+                yield SourceProblem(str(path), path, f"cannot read: {e.strerror or e}",
+                                    covers=COVERS_TREE)
 
     def _candidate(self, path: Path, resolver: AclResolver, explicit: bool
                    ) -> Iterator[_Candidate | SourceProblem]:
@@ -179,28 +203,41 @@ class _Walker:
         if found.explicit and not real.is_file():
             yield SourceProblem(key, real, "not a regular file")
             return
+        display = self.namer.name(path, resolver.root)
         if path.suffix.lower() == ".jsonl":
-            yield from _records(path, real, resolver)
+            yield from _records(path, real, resolver, display)
             return
+        # The ACL first: a file we may not read can still have had its ACL narrowed.
+        acl_or_error = _file_acl(resolver, path)
         try:
             with real.open("rb") as f:
                 content_hash = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as e:
-            yield SourceProblem(key, real, f"cannot read file: {e.strerror or e}")
+            known = None if isinstance(acl_or_error, str) else acl_or_error[0]
+            yield SourceProblem(key, real, f"cannot read file: {e.strerror or e}", acl=known)
             return
-        try:
-            acl, origin = resolver.resolve(path)
-        except RagError as e:
-            yield SourceProblem(key, real, str(e))
-            return
-        except OSError as e:
-            yield SourceProblem(key, real, f"cannot determine ACL: {e.strerror or e}")
-            return
-        yield SourceItem(key=key, path=real, kind="file", content_hash=content_hash,
-                         acl=acl, acl_origin=origin)
+        yield _with_acl(SourceItem(key=key, path=real, kind="file", content_hash=content_hash,
+                                   acl=frozenset(), acl_origin="", display=display), acl_or_error)
 
 
-def _records(path: Path, real: Path, resolver: AclResolver) -> Iterator[SourceItem | SourceProblem]:
+def _with_acl(item: SourceItem, acl_or_error: tuple[frozenset[str], str] | str) -> SourceItem:
+    """The item with its ACL, or, when that cannot be determined, readable by nobody and why."""
+    if isinstance(acl_or_error, str):
+        return dataclasses.replace(item, acl=frozenset(), acl_origin="error", acl_error=acl_or_error)
+    acl, origin = acl_or_error
+    return dataclasses.replace(item, acl=acl, acl_origin=origin)
+
+
+def has_sources(root: Path, follow_symlinks: bool = False) -> bool:
+    """Whether walking `root` finds anything at all (a source, or a problem to report).
+
+    Reads no file and stops at the first find: a cheap test for an empty or unmounted root.
+    """
+    return next(iter(_Walker(follow_symlinks).candidates([root])), None) is not None
+
+
+def _records(path: Path, real: Path, resolver: AclResolver, display: str = ""
+             ) -> Iterator[SourceItem | SourceProblem]:
     """The records of one JSONL file; a bad line is reported and the others go on."""
     file_key = str(real)
     # The file's ACL is only needed by records without their own, and may be an error
@@ -209,38 +246,45 @@ def _records(path: Path, real: Path, resolver: AclResolver) -> Iterator[SourceIt
     first_line: dict[str, int] = {}  # record id -> line: the per-record state of a file
     for lineno, raw in _lines(real):
         if isinstance(raw, OSError):
-            # The pipeline keeps the stored records of a file it could not read to the end.
-            yield SourceProblem(file_key, real, f"cannot read file: {raw.strerror or raw}")
+            # The records not read yet are kept, readable by nobody, until the file reads again.
+            yield SourceProblem(file_key, real, f"cannot read file: {raw.strerror or raw}",
+                                covers=COVERS_RECORDS)
             return
         if not raw.strip():
             continue
         line_key = f"{file_key}:{lineno}"
         try:
             record = _parse_record(raw, lineno)
-        except ValueError as e:
-            yield SourceProblem(line_key, real, str(e))
+        except _BadLine as e:
+            if e.record_id is None:
+                # Which stored record this line was is unknown: all those not seen are held.
+                yield SourceProblem(line_key, real, str(e), covers=COVERS_RECORDS)
+            else:
+                yield SourceProblem(f"{file_key}#{e.record_id}", real, str(e))
             continue
         rid = record["id"]
         if rid in first_line:
-            yield SourceProblem(line_key, real, f"line {lineno}: duplicate id {rid!r} "
-                                                f"(first on line {first_line[rid]})")
+            # Which line is meant is unknown (an appended correction?): the record is held for nobody.
+            yield SourceProblem(f"{file_key}#{rid}", real, f"line {lineno}: duplicate id {rid!r} "
+                                f"(first on line {first_line[rid]})", covers=COVERS_AGAIN)
             continue
         first_line[rid] = lineno
         key = f"{file_key}#{rid}"
-        if record["acl"] is not None:
-            acl, origin = record["acl"], "record"
+        if record["acl_error"] is not None:
+            acl_or_error: tuple[frozenset[str], str] | str = record["acl_error"]
+        elif record["acl"] is not None:
+            acl_or_error = record["acl"], "record"
         else:
             if file_acl is None:
                 file_acl = _file_acl(resolver, path)
-            if isinstance(file_acl, str):
-                yield SourceProblem(key, real, file_acl)
-                continue
-            acl, origin = file_acl
-        yield SourceItem(key=key, path=real, kind="record",
-                         content_hash=_record_hash(record["text"], record["title"],
-                                                   record["metadata"]),
-                         acl=acl, acl_origin=origin, title=record["title"],
-                         text=record["text"], metadata=record["metadata"])
+            acl_or_error = file_acl
+        item = SourceItem(key=key, path=real, kind="record",
+                          content_hash=_record_hash(record["text"], record["title"],
+                                                    record["metadata"]),
+                          acl=frozenset(), acl_origin="", title=record["title"],
+                          text=record["text"], metadata=record["metadata"],
+                          display=f"{display}#{rid}" if display else "")
+        yield _with_acl(item, acl_or_error)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes | OSError]]:
@@ -263,53 +307,67 @@ def _count_lines(path: Path) -> int:
     return n
 
 
+class _BadLine(ValueError):
+    """A JSONL line that cannot be used; `record_id` when the line still says which record it is."""
+
+    def __init__(self, reason: str, record_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.record_id = record_id
+
+
 def _parse_record(raw: bytes, lineno: int) -> dict[str, Any]:
-    """Check one JSONL line; raises ValueError with a reason that names the line."""
+    """Check one JSONL line; raises _BadLine with a reason that names the line.
+
+    A record whose only fault is its `acl` comes back with "acl_error" set: its text is
+    fine, and it is stored readable by nobody until the ACL is fixed.
+    """
     where = f"line {lineno}"
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: invalid UTF-8 at byte {e.start}") from None
+        raise _BadLine(f"{where}: invalid UTF-8 at byte {e.start}") from None
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        raise _BadLine(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise _BadLine(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, str | int) or not str(rid).strip():
+        raise _BadLine(f"{where}: missing or empty 'id' (a string or an integer)")
+    rid = str(rid)
     # Unknown keys are refused rather than ignored: a misspelt "acl" would otherwise
     # silently give the record the file's (possibly wider) ACL.
     unknown = sorted(set(obj) - RECORD_KEYS)
     if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(RECORD_KEYS)} "
-                         "(put other fields under 'metadata')")
-    rid = obj.get("id")
-    if isinstance(rid, bool) or not isinstance(rid, str | int) or not str(rid).strip():
-        raise ValueError(f"{where}: missing or empty 'id' (a string or an integer)")
+        raise _BadLine(f"{where}: unknown keys {unknown}; allowed: {sorted(RECORD_KEYS)} "
+                       "(put other fields under 'metadata')", rid)
     text = obj.get("text")
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: missing or empty 'text' (a non-empty string)")
+        raise _BadLine(f"{where}: missing or empty 'text' (a non-empty string)", rid)
     title = obj.get("title")
     if title is not None and not isinstance(title, str):
-        raise ValueError(f"{where}: 'title' must be a string")
+        raise _BadLine(f"{where}: 'title' must be a string", rid)
     metadata = obj.get("metadata")
     if metadata is None:
         metadata = {}
     elif not isinstance(metadata, dict):
-        raise ValueError(f"{where}: 'metadata' must be a JSON object")
-    acl = obj.get("acl")
-    if acl is not None:
-        if not isinstance(acl, list):
-            raise ValueError(f"{where}: bad 'acl': must be a list of entries like 'group:NAME'")
+        raise _BadLine(f"{where}: 'metadata' must be a JSON object", rid)
+    acl, acl_error = obj.get("acl"), None
+    if "acl" in obj:  # present means the record asked for its own: "acl": null is no ACL either
         try:
+            if not isinstance(acl, list):
+                raise ConfigError("must be a list of entries like 'group:NAME'")
             acl = make_acl(acl)
         except ConfigError as e:
-            raise ValueError(f"{where}: bad 'acl': {e}") from None
-    return {"id": str(rid), "text": text, "title": title or None, "metadata": metadata,
-            "acl": acl}
+            # Not the file's ACL instead: the record asked for its own, likely a narrower one.
+            acl, acl_error = None, f"{where}: bad 'acl': {e} (nobody may read the record until it is fixed)"
+    return {"id": rid, "text": text, "title": title or None, "metadata": metadata,
+            "acl": acl, "acl_error": acl_error}
 
 
 def _file_acl(resolver: AclResolver, path: Path) -> tuple[frozenset[str], str] | str:
-    """The JSONL file's own ACL, or the reason it has none."""
+    """The file's ACL and its origin, or the reason it cannot be determined."""
     try:
         return resolver.resolve(path)
     except RagError as e:

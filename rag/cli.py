@@ -79,11 +79,27 @@ def ingest(
         "SLURM_ARRAY_TASK_ID)")] = None,
     num_shards: Annotated[int | None, typer.Option(
         "--num-shards", help="number of shard jobs N (default: SLURM_ARRAY_TASK_COUNT; 1 turns sharding off)")] = None,
+    max_delete_fraction: Annotated[float | None, typer.Option(
+        "--max-delete-fraction", min=0.0, max=1.0,
+        help="delete at most this share of the collection's documents in one run (of this shard's, "
+        "in a job array); past it nothing is deleted and the run fails (default 0.5, or "
+        "max_delete_fraction)")] = None,
+    allow_mass_delete: Annotated[bool, typer.Option(
+        "--allow-mass-delete", help="the sources are really gone: delete them however many, even "
+        "all of those under a path that now yields nothing (an empty or unmounted directory is "
+        "refused without it)")] = False,
 ) -> None:
     """Ingest documents with their permissions; re-running only redoes what changed.
 
     ACLs come from sidecar `.rag-acl.toml` files (nearest up the tree wins), JSONL `acl`
     fields, or else the files' POSIX owner/group/mode. Exit code 1 if any source failed.
+
+    A document whose ACL cannot be determined (broken or unreadable sidecar, bad JSONL `acl`,
+    an owner with no name) is stored or kept readable by nobody until it is fixed, and listed as
+    such (`acl_errors` in --json; exit 1). ACLs that let more principals in than before are
+    listed as a warning (`widened`; exit 0). A path that yields nothing while the collection holds documents from it,
+    or deleting more than --max-delete-fraction of the collection, is refused (nothing deleted,
+    exit 2 / 1) unless --allow-mass-delete.
 
     With --shard I --num-shards N (or inside a Slurm job array) the job takes a stable hash
     partition of the documents: with --store pgvector it writes into the collection, otherwise
@@ -98,7 +114,7 @@ def ingest(
         if not p.exists():
             raise RagError(f"path not found: {p}")
     sharding = resolve_shard(shard, num_shards, os.environ)
-    rag = _rag(store=store, dsn=dsn)
+    rag = _rag(store=store, dsn=dsn, max_delete_fraction=max_delete_fraction)
     started = time.perf_counter()
     show = sys.stderr.isatty() and not as_json
     with IngestProgress(enabled=show) as bar:
@@ -109,10 +125,11 @@ def ingest(
             notice = getattr(rag.index(collection, create=True), "notice", None)
             if notice:
                 bar.notice(notice)
-            report = rag.ingest(paths, collection, progress)
+            report = rag.ingest(paths, collection, progress, allow_mass_delete=allow_mass_delete)
             shard_run = None
         else:
-            shard_run = ingest_shard(rag, paths, collection, *sharding, progress=progress)
+            shard_run = ingest_shard(rag, paths, collection, *sharding, progress=progress,
+                                     allow_mass_delete=allow_mass_delete)
             report = shard_run.report
     elapsed = time.perf_counter() - started
     name = collection or rag.settings.collection
@@ -151,8 +168,24 @@ def ingest(
             typer.echo(f"{len(report.problems)} source(s) skipped:")
             for p in report.problems:
                 typer.echo(f"  {p.key}: {p.reason}")
+        _echo_acl_report(report)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _echo_acl_report(report) -> None:
+    """The ACL part of the ingest summary: what nobody may read now, what more may, what was not deleted."""
+    if report.acl_errors:
+        typer.echo(f"{len(report.acl_errors)} document(s) readable by nobody until their ACL is fixed:")
+        for a in report.acl_errors:
+            typer.echo(f"  {a.source}: {a.error}")
+    if report.widened:
+        typer.echo(f"warning: {len(report.widened)} document(s) readable by more principals than before:")
+        for w in report.widened:
+            typer.echo(f"  {w.source}: {', '.join(sorted(w.before)) or '(nobody)'} -> "
+                       f"{', '.join(sorted(w.after)) or '(nobody)'}")
+    if report.deletion_refused is not None:
+        typer.echo(f"error: {report.deletion_refused.message()}")
 
 
 @app.command()

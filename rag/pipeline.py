@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ingest.deletion_guard import DeletionGuard
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from permissions.identity import IdentityStore
 from permissions.models import Principal
@@ -179,13 +180,16 @@ class Rag:
         return self.catalog.collection_names()
 
     def ingest(self, paths: Sequence[Path], collection: str | None = None,
-               progress: ProgressFn | None = None, shard: tuple[int, int] | None = None) -> IngestReport:
+               progress: ProgressFn | None = None, shard: tuple[int, int] | None = None,
+               allow_mass_delete: bool = False) -> IngestReport:
         """Bring a collection in line with the sources under `paths` (creating it if new).
 
         Args:
             shard: (index, count): write only the documents of this hash partition into the
                 collection itself (pgvector, which takes concurrent writers); the embedded store
                 shards into separate data directories instead (`ingest.shards.ingest_shard`).
+            allow_mass_delete: delete whatever is gone, past `max_delete_fraction` of the
+                collection and under roots that yield nothing (see ingest/deletion_guard.py).
         """
         from ingest.chunk import Chunker, ChunkingConfig
 
@@ -193,7 +197,8 @@ class Rag:
         chunking = index.info.chunking
         chunker = Chunker(self.embedder.tokenizer,
                           ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
-        return IngestPipeline(index, self.embedder.embed, chunker).run(paths, progress, shard=shard)
+        guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
+        return IngestPipeline(index, self.embedder.embed, chunker, guard=guard).run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:
         """Collections in which `principal` may read at least one chunk (others stay unnamed)."""

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     device: str | None = Field(default=None, description="cpu or cuda; None = cuda when available")
     chunk_max_tokens: int = Field(default=200, ge=16, le=512)
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
+    # One ingest run deletes at most this share of a collection's documents (of its shard, in
+    # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
+    # A mount that vanished looks like every file deleted; 1.0 turns the share check off.
+    max_delete_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     embed_batch_size: int = Field(default=64, ge=1, le=4096)
     # GPU embedding: "auto" = bf16/fp16 on GPUs, fp32 on CPU; the GPUs bulk embedding spreads
     # over (one process each; None = every visible GPU); padded tokens per forward pass

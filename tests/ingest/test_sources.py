@@ -194,18 +194,23 @@ def test_jsonl_bad_lines_are_reported_and_others_go_on(tmp_path: Path) -> None:
         b'{"id": "ok2", "text": "also fine"}',
     ]))
     out = list(walk_sources([f]))
-    assert [x.key for x in out if isinstance(x, SourceItem)] == [f"{f}#ok1", f"{f}#ok2"]
+    # A record whose only fault is its ACL is stored readable by nobody (acl_error says why).
+    assert [x.key for x in out if isinstance(x, SourceItem)] == [f"{f}#ok1", f"{f}#a", f"{f}#ok2"]
+    bad_acl = next(x for x in out if x.key == f"{f}#a")
+    assert bad_acl.acl == frozenset() and "line 6: bad 'acl'" in bad_acl.acl_error
     probs = {p.key: p.reason for p in out if isinstance(p, SourceProblem)}
+    # A line that still names its record speaks for that record; others, by line number.
     expect = {
         2: "invalid JSON", 3: "missing or empty 'id'", 4: "missing or empty 'id'",
-        5: "missing or empty 'text'", 6: "bad 'acl'", 7: "duplicate id 'ok1' (first on line 1)",
-        8: "expected a JSON object", 9: "invalid UTF-8", 10: "unknown keys ['acls']",
+        "e": "missing or empty 'text'", "ok1": "duplicate id 'ok1' (first on line 1)",
+        8: "expected a JSON object", 9: "invalid UTF-8", "k": "unknown keys ['acls']",
         11: "missing or empty 'id'",
     }
-    assert set(probs) == {f"{f}:{n}" for n in expect}
+    line = {"e": 5, "k": 10, "ok1": 7}
+    assert set(probs) == {f"{f}#{n}" if isinstance(n, str) else f"{f}:{n}" for n in expect}
     for n, fragment in expect.items():
-        reason = probs[f"{f}:{n}"]
-        assert reason.startswith(f"line {n}: ") and fragment in reason, reason
+        reason = probs[f"{f}#{n}" if isinstance(n, str) else f"{f}:{n}"]
+        assert reason.startswith(f"line {line.get(n, n)}: ") and fragment in reason, reason
         assert "\n" not in reason
     assert all(p.path == f for p in out if isinstance(p, SourceProblem))
 
@@ -227,11 +232,12 @@ def test_broken_sidecar_blocks_files_and_acl_less_records(tmp_path: Path) -> Non
     f = jsonl(tmp_path / "r.jsonl", {"id": "1", "text": "inherits"},
               {"id": "2", "text": "explicit", "acl": ["public"]})
     out = list(walk_sources([tmp_path]))
-    doc_problem = next(x for x in out if x.key == str(tmp_path / "doc.md"))
-    assert isinstance(doc_problem, SourceProblem)
-    assert str(tmp_path / ".rag-acl.toml") in doc_problem.reason
+    # Their ACL cannot be determined: they come with an empty one (nobody) and the reason.
+    doc = next(x for x in out if x.key == str(tmp_path / "doc.md"))
+    assert isinstance(doc, SourceItem) and doc.acl == frozenset() and doc.acl_origin == "error"
+    assert str(tmp_path / ".rag-acl.toml") in doc.acl_error
     rec1 = next(x for x in out if x.key == f"{f}#1")
-    assert isinstance(rec1, SourceProblem) and ".rag-acl.toml" in rec1.reason
+    assert isinstance(rec1, SourceItem) and rec1.acl == frozenset() and ".rag-acl.toml" in rec1.acl_error
     rec2 = next(x for x in out if x.key == f"{f}#2")
     assert isinstance(rec2, SourceItem) and rec2.acl == frozenset({"public"})
     # Nothing fell back to POSIX.
