@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ingest.sources import SourceItem
+from ingest.text_blocks import check_text_file, first_lines, text_blocks
 from rag.errors import ParseError
 from rag.types import Document, Element
 
@@ -22,6 +24,13 @@ _SKIPPED_KINDS = {"PageBreak"}
 _TITLE_WITHIN = 5
 # Bytes sampled for the binary check: enough to see a file's nature, cheap for huge files.
 _SNIFF_BYTES = 8192
+# Plain text and Markdown files above this size are parsed block by block (ingest/text_blocks.py)
+# instead of whole: the same elements, with one block in memory instead of the whole file's
+# objects. Other formats must be parsed whole; the ingest size cap bounds those.
+STREAM_ABOVE_BYTES = 8 << 20
+STREAMED_SUFFIXES = {".txt", ".md", ".markdown"}
+# unstructured's text partitioner picks its paragraph grouper from the first lines of the text.
+_GROUPER_LINES = 2000
 
 
 def parse_file(path: Path) -> tuple[str | None, list[Element]]:
@@ -90,6 +99,95 @@ def parse_item(item: SourceItem) -> Document:
         elements=tuple(elements),
         metadata=dict(item.metadata),
     )
+
+
+def document_bytes(item: SourceItem) -> int:
+    """The size a source is capped by: the file's bytes, or a record's text in UTF-8."""
+    if item.kind == "record":
+        return len((item.text or "").encode("utf-8", "surrogatepass"))
+    return item.path.stat().st_size
+
+
+def parse_item_stream(item: SourceItem, stream_above: int = STREAM_ABOVE_BYTES
+                      ) -> tuple[Document, Iterator[Element]]:
+    """The Document for one source (without its text and elements) and its elements, lazily.
+
+    A text or Markdown file above `stream_above` bytes is read and partitioned a block at a time
+    as the elements are consumed; anything else is parsed whole (`parse_item`). The file is
+    checked through (binary content, UTF-8) before this returns, so a bad byte late in a huge file
+    fails before any of it is chunked; a parser failure in a later block raises ParseError from
+    the iterator.
+
+    Raises:
+        ParseError: as `parse_item`.
+    """
+    suffix = item.path.suffix.lower()
+    if item.kind != "file" or suffix not in STREAMED_SUFFIXES or _size(item.path) <= stream_above:
+        doc = parse_item(item)
+        elements = doc.elements
+        return _without_text(doc), iter(elements)
+    path = item.path
+    heuristic = suffix == ".txt"
+    _sniff(path)
+    check_text_file(path)
+    elements = _streamed_elements(path, markdown=not heuristic)
+    head = list(itertools.islice(elements, _TITLE_WITHIN))
+    if not head:
+        raise ParseError("no text extracted")
+    title = item.title or _title(head, path, heuristic_titles=heuristic)
+    doc = Document(key=item.key, source=str(path), text="", content_hash=item.content_hash,
+                   acl=item.acl, title=title, elements=(), metadata=dict(item.metadata))
+    return doc, itertools.chain(head, elements)
+
+
+def _without_text(doc: Document) -> Document:
+    # Chunks carry the text; a document waiting for the embedder holds no second copy.
+    return Document(key=doc.key, source=doc.source, text="", content_hash=doc.content_hash, acl=doc.acl,
+                    title=doc.title, elements=(), metadata=doc.metadata)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as e:
+        raise ParseError(f"cannot read file: {e.strerror or e}") from e
+
+
+def _sniff(path: Path) -> None:
+    try:
+        with path.open("rb") as f:
+            sample = f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise ParseError(f"cannot read file: {e.strerror or e}") from e
+    if b"\x00" in sample or _control_ratio(sample) > 0.10:
+        raise ParseError("binary content in a text file")
+
+
+def _streamed_elements(path: Path, markdown: bool) -> Iterator[Element]:
+    by_lines = False
+    if markdown:
+        partition, fmt, extra = _partitioner("md"), "MD", {}
+    else:
+        # Chosen once from the file's first lines, as partition_text does for a whole text.
+        chosen, by_lines = _grouper_for(first_lines(path, _GROUPER_LINES))
+        partition, fmt, extra = _partitioner("text"), "TEXT", {"paragraph_grouper": chosen}
+    for block in text_blocks(path, markdown, lines_are_paragraphs=by_lines):
+        if not block.strip():
+            continue
+        raw = _partition(partition, f"cannot parse {fmt}", text=block, **extra)
+        yield from _to_elements(raw, heuristic_titles=not markdown)
+
+
+def _grouper_for(sample: str) -> tuple[Callable[[str], str], bool]:
+    """The grouper auto_paragraph_grouper picks for a text starting with `sample` (same rule), and
+    whether it is the one that makes each line a paragraph."""
+    from unstructured.cleaners.core import blank_line_grouper, new_line_grouper
+    from unstructured.nlp.patterns import LINE_BREAK_RE
+
+    lines = LINE_BREAK_RE.split(sample)[:_GROUPER_LINES]
+    empty = sum(1 for line in lines if not line.strip())
+    by_lines = empty / len(lines) < 0.1
+    return (new_line_grouper if by_lines else blank_line_grouper), by_lines
 
 
 # ----------------------------------------------------------------------------- validation
