@@ -113,6 +113,33 @@ def migrate(
     typer.echo(f"schema version {version} at {_redact(target)}")
 
 
+@db_app.command()
+def purge(
+    ctx: typer.Context,
+    dsn: Annotated[str | None, typer.Option(
+        "--dsn", help="URL of a superuser (default: the configured dsn, else the running local server)")] = None,
+) -> None:
+    """Make the text of deleted, replaced and re-permissioned documents unreadable in the server's files.
+
+    PostgreSQL keeps old row versions (text included) in its table files and WAL until they are
+    rewritten: this runs VACUUM FULL on the store's tables, rewrites the statistics and lets the
+    server drop old WAL. It locks the tables while it runs (minutes on a large collection): run it
+    in a quiet period, after ingest runs that deleted or re-permissioned documents. Needs a
+    superuser (the local server's DSN is one). WAL archives, replicas and backups are the server
+    operator's to expire (see README, "Deleted documents").
+    """
+    from rag.db import local_dsn
+
+    settings = _settings(ctx)
+    target = dsn or getattr(settings, "dsn", None) or local_dsn(settings.home)
+    if not target:
+        raise ConfigError("no database to purge: run `rag db start` for a local server, or pass --dsn URL")
+    from retrieval.stores.pg_purge import purge_removed_text
+
+    purge_removed_text(target)
+    typer.echo(f"purged removed text at {_redact(target)}")
+
+
 def _redact(dsn: str) -> str:
     """The DSN without its password, fit to print (URL or key=value form)."""
     parts = urlsplit(dsn)

@@ -265,7 +265,9 @@ class LocalPostgres:
         return port
 
     def _pg_ctl_start(self, pginstall: Path, data: Path, port: int, user: str | None) -> None:
-        options = ["-p", str(port), "-c", "listen_addresses=127.0.0.1"]
+        # wal_recycle=off: WAL segments that recorded deleted text are removed, not renamed for
+        # reuse with their old bytes (see retrieval/stores/pg_purge.py).
+        options = ["-p", str(port), "-c", "listen_addresses=127.0.0.1", "-c", "wal_recycle=off"]
         if len(str(data)) + len("/.s.PGSQL.65535") <= _SOCKET_PATH_MAX:
             # In the 0700 cluster directory (its lock file too), never in the world-writable /tmp.
             options += ["-k", str(data), "-c", "unix_socket_permissions=0700"]

@@ -316,3 +316,40 @@ def test_fixture_databases_are_isolated_and_dropped(pg_server, pg_dsn, no_saved_
     other_name = other.rsplit("/", 1)[1]
     with psycopg.connect(pg_server.dsn) as conn:
         assert conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (other_name,)).fetchone() is None
+
+
+def test_cli_purge_leaves_no_deleted_text_in_the_local_servers_files(home):
+    """`rag db purge` on the local server (started with wal_recycle=off) removes deleted text from its files."""
+    import uuid
+
+    import numpy as np
+
+    from rag.types import Chunk, Document
+    from retrieval.stores.pgvector import create_collection
+
+    dsn = _cli(["start"], home).stdout.strip()
+    data_dir = Path(json.loads(_cli(["status", "--json"], home).stdout)["data_dir"])
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SHOW wal_recycle").fetchone() == ("off",)
+    marker = "qz" + uuid.uuid4().hex[:12]
+    coll = create_collection(dsn, f"c{uuid.uuid4().hex[:8]}", "test-embedder", "fp", 4, {})
+    try:
+        text = f"the {marker} incident plan"
+        doc = Document(key="plan", source="lab/plan.md", text=text, content_hash="h", acl=frozenset({"group:x"}))
+        coll.replace_document(doc, frozenset({"group:x"}), [Chunk("plan", 0, text, 4)],
+                              np.ones((1, 4), dtype=np.float32) / 2)
+        coll.delete_document("plan")
+    finally:
+        coll.close()
+    purged = _cli(["purge"], home)
+    assert purged.returncode == 0, purged.stderr
+    assert "purged removed text" in purged.stdout and "***" in purged.stdout  # the password is not printed
+    leftovers = []
+    for path in data_dir.rglob("*"):
+        try:
+            if path.is_file() and marker.encode() in path.read_bytes():
+                leftovers.append(path)
+        except OSError:
+            continue
+    assert leftovers == []
+    _cli(["stop"], home)
