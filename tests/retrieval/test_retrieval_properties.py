@@ -231,7 +231,7 @@ def test_no_store_shows_what_it_should_not(kind, request):
     machine = type(f"StoreMachine_{kind.replace('-', '_').replace(':', '_')}", (StoreMachine,),
                    {"KIND": kind, "PG_SERVER": pg})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=scaled(8, 150), stateful_step_count=scaled(10, 25), deadline=None,
+        max_examples=scaled(6, 150), stateful_step_count=scaled(8, 25), deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
 
 
@@ -250,7 +250,7 @@ def split_corpus(draw):
 
 
 @pytest.mark.parametrize("kind", ["faiss", "pgvector"])
-@settings(max_examples=scaled(10, 200), deadline=None,
+@settings(max_examples=scaled(8, 200), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=split_corpus(), data=st.data())
 def test_unreadable_documents_change_nothing_a_principal_gets(kind, request, case, data):
