@@ -488,8 +488,12 @@ class Catalog:
         wal = self.path.with_name(self.path.name + "-wal")
         return wal.exists() and wal.stat().st_size > 0
 
-    def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
-        """Chunks by id with their document's key, source, title and ACL."""
+    def chunk_records(self, ids: Sequence[int], collection: str) -> dict[int, ChunkRecord]:
+        """Chunks of `collection` by id with their document's key, source, title and ACL.
+
+        Chunk ids are unique across the catalog, but an id of another collection is not found:
+        `/v1/documents/A/{id}` must never show a chunk of collection B under A's name.
+        """
         out: dict[int, ChunkRecord] = {}
         ids = [int(i) for i in ids]
         for start in range(0, len(ids), 500):
@@ -498,8 +502,8 @@ class Catalog:
             for r in self.conn.execute(
                 "SELECT c.id, d.key, d.source, d.title, c.idx, c.text, c.heading, d.acl"
                 " FROM chunks c JOIN documents d ON d.id = c.document_id"
-                f" WHERE c.id IN ({marks})",
-                part,
+                f" WHERE d.collection = ? AND c.id IN ({marks})",
+                [collection, *part],
             ):
                 out[r[0]] = ChunkRecord(
                     r[0], r[1], r[2], r[3], r[4], r[5], r[6], frozenset(json.loads(r[7]))

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from rag.errors import StoreError
+from rag.private_files import private_mkdir
 from rag.types import Chunk, Document
 from retrieval.base import VectorStore
 from retrieval.catalog import Catalog, ChunkRecord, CollectionInfo, DocumentState
@@ -113,7 +114,7 @@ class CollectionIndex:
         # which the store lacks: reload (from the catalog) rather than mislabel the file.
         while self.catalog.version(self.name) != self.loaded_version:
             self.refresh()
-        self.index_dir.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.index_dir)
         path = self._path(self.loaded_version)
         assert path is not None
         self.store.save(path)
@@ -178,7 +179,7 @@ class CollectionIndex:
         return self.catalog.keyword_search(self.name, text, k, tokens)
 
     def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
-        return self.catalog.chunk_records(ids)
+        return self.catalog.chunk_records(ids, self.name)
 
     def dump(self) -> list[dict]:
         return self.catalog.dump(self.name)

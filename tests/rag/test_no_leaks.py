@@ -111,3 +111,21 @@ def test_random_acls_never_leak(tmp_path, rag_factory, request, store):
             assert answer.text is not None
     if recorder is not None:
         assert captured >= 2  # prompts really went through the generator boundary
+
+
+def test_a_chunk_of_one_collection_is_not_found_in_another(tmp_path, rag_factory):
+    """GET /v1/documents/A/{id} must not show a chunk of collection B under A's name (ids are catalog-wide)."""
+    for name in ("lab", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "note.md").write_text(f"# {name}\n\nThe {name} freezer is in room 4{len(name)}.\n")
+        (tmp_path / name / ".rag-acl.toml").write_text('allow = ["*"]\n')
+    rag = rag_factory(tmp_path / "home")
+    try:
+        assert rag.ingest([tmp_path / "lab"], collection="lab").ok
+        assert rag.ingest([tmp_path / "other"], collection="other").ok
+        anyone = Principal("u0", frozenset())
+        (hit,) = rag.query("freezer room", anyone, collection="other", k=1, generate=False).hits
+        assert rag.readable_chunk("other", hit.chunk_id, anyone) is not None
+        assert rag.readable_chunk("lab", hit.chunk_id, anyone) is None
+    finally:
+        rag.close()

@@ -139,8 +139,8 @@ def _ids(results: list[tuple[int, float]]) -> list[int]:
     return [i for i, _ in results]
 
 
-def _keys(catalog: Catalog, results: list[tuple[int, float]]) -> list[str]:
-    records = catalog.chunk_records(_ids(results))
+def _keys(catalog: Catalog, results: list[tuple[int, float]], collection: str = "docs") -> list[str]:
+    records = catalog.chunk_records(_ids(results), collection)
     return [records[i].document_key for i in _ids(results)]
 
 
@@ -235,7 +235,9 @@ def test_collections_are_searched_separately(catalog):
     _put(catalog, "a", ["KRIOS-2 booking"], {"public"}, collection="docs")
     _put(catalog, "b", ["KRIOS-2 booking"], {"public"}, collection="other")
     assert _keys(catalog, catalog.keyword_search("docs", "KRIOS-2", 5, ["public"])) == ["a"]
-    assert _keys(catalog, catalog.keyword_search("other", "KRIOS-2", 5, ["public"])) == ["b"]
+    assert _keys(catalog, catalog.keyword_search("other", "KRIOS-2", 5, ["public"]), "other") == ["b"]
+    # A chunk id of one collection is not found in another (GET /v1/documents/docs/{id of b} is a 404).
+    assert catalog.chunk_records(_ids(catalog.keyword_search("other", "KRIOS-2", 5, ["public"])), "docs") == {}
 
 
 def test_replace_and_delete_keep_the_index_in_step(catalog):
@@ -245,7 +247,7 @@ def test_replace_and_delete_keep_the_index_in_step(catalog):
     assert catalog.keyword_search("docs", "SN-HX-10458", 5, ["public"]) == []
     assert catalog.keyword_search("docs", "second chunk", 5, ["public"]) == []
     (chunk_id,) = _ids(catalog.keyword_search("docs", "SN-HX-10463", 5, ["public"]))
-    assert catalog.chunk_records([chunk_id])[chunk_id].text == "new text mentions SN-HX-10463"
+    assert catalog.chunk_records([chunk_id], "docs")[chunk_id].text == "new text mentions SN-HX-10463"
     _check_index(catalog)
     catalog.delete_document("docs", "a")
     assert catalog.keyword_search("docs", "SN-HX-10463", 5, ["public"]) == []
