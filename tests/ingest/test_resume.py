@@ -6,6 +6,8 @@ each phase the job is killed during model load and at random points of its write
 re-run until it finishes, and compared with an uninterrupted ingest: same documents, hashes,
 ACLs, chunk texts, vectors and search results. A document whose content did not change keeps
 its catalog row from one run to the next: finished documents are never re-embedded.
+A kill inside a big document (its chunks span several embed batches) loses at most the batch
+being embedded: the others were staged, and the document appears only when it is whole.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -32,6 +35,7 @@ from retrieval.catalog import Catalog
 pytestmark = pytest.mark.slow  # seven `rag ingest` processes, each loading torch: minutes
 
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
+BATCH_CHUNKS = 256  # IngestPipeline's default: chunks per embed call, committed after each
 WORDS = ("centrifuge freezer buffer reagent microscope booking cluster node queue backup quota "
          "sample plate incubator sequencer pipette").split()
 QUERIES = ["Where is the freezer?", "microscope booking", "cluster queue quota", "record about plates"]
@@ -208,5 +212,56 @@ def test_killed_ingest_resumes_to_the_uninterrupted_result(tmp_path: Path) -> No
     phase_start = snapshots[-1]
     summary, snapshots = _resume_until_done(home, corpus, kills)
     _check_no_rewrite(phase_start, snapshots[-1])  # unchanged and ACL-only documents kept their rows
+    _assert_same_collection(home, reference)
+    reference.close()
+
+
+def _big_document(rng: random.Random, parts: int) -> str:
+    """Markdown of about 2 x `parts` chunks at the default 200-token cap."""
+    return "# Lab handbook\n\n" + "".join(
+        f"## Part {i}\n\n" + " ".join(_sentence(rng, i) for _ in range(12)) + "\n\n" for i in range(parts))
+
+
+def test_killed_late_in_a_batch_of_a_big_document_redoes_at_most_that_batch(tmp_path: Path) -> None:
+    """A kill after a batch was embedded but before it was committed: the restart embeds that batch
+    again and nothing else, counted by the chunks each run says it embedded, not by time."""
+    rng = random.Random(99)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(_sentence(rng, 1) + "\n")
+    (corpus / "handbook.md").write_text(_big_document(rng, 150))
+    reference = Rag(load_settings(home=tmp_path / "reference", rerank=False))
+    total = reference.ingest([corpus]).chunks_written
+    assert total > BATCH_CHUNKS + 10  # two batches
+
+    home = tmp_path / "killed"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+    proc = subprocess.Popen(RAG + ["--home", str(home), "--verbose", "ingest", str(corpus), "--json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    embedded = []  # (batch, chunks) as the killed run logged them
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        m = re.search(r"embedded batch (\d+): (\d+) chunks", line)
+        if m:
+            embedded.append((int(m.group(1)), int(m.group(2))))
+            if m.group(1) == "2":  # embedded, not yet committed: the latest moment of batch 2
+                proc.send_signal(signal.SIGKILL)
+                break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before batch 2: no kill landed"
+    key = str((corpus / "handbook.md").resolve())
+    assert key not in _snapshot(home / "catalog.sqlite")  # half a document is never visible
+    staged = _count(home / "staging" / "default.sqlite", "SELECT COUNT(*) FROM staged_chunks")
+    # Batch 1 was committed (a.txt's chunk to the collection, the rest to staging), batch 2 was not.
+    assert _count(home / "catalog.sqlite", "SELECT COUNT(*) FROM chunks") == 1
+    assert staged + 1 == embedded[0][1] == BATCH_CHUNKS
+
+    summary = _run(home, corpus)
+    assert summary is not None and summary["ok"] and summary["unchanged"] == 1  # a.txt, written before
+    assert summary["chunks_written"] == total - 1
+    assert summary["chunks_resumed"] == staged
+    redone = sum(n for _, n in embedded) + summary["chunks_embedded"] - total
+    assert redone == embedded[1][1] <= BATCH_CHUNKS, (embedded, summary["chunks_embedded"], total)
+    assert not (home / "staging" / "default.sqlite").exists()
     _assert_same_collection(home, reference)
     reference.close()
