@@ -165,7 +165,8 @@ def build_corpus(home: Path, n_chunks: int, source_tokens: int, n_users: int, se
             doc = Document(key=key, source=key, text=text, content_hash=f"h{i}", acl=acl)
             chunk = Chunk(document_key=key, index=0, text=text, num_tokens=source_tokens)
             index.replace_document(doc, acl, [chunk], rng.standard_normal((1, dim)).astype(np.float32))
-        return [rag.identity.create_key(f"bench{u}", label="serve_load") for u in range(n_users)]
+        # Admin keys: the benchmark reads the per-stage timings_ms, which only admins get.
+        return [rag.identity.create_key(f"bench{u}", label="serve_load", admin=True) for u in range(n_users)]
     finally:
         rag.close()
 
