@@ -33,7 +33,9 @@ def _settings(ctx: typer.Context) -> Settings:
 def _server(ctx: typer.Context) -> LocalPostgres:
     from rag.db import LocalPostgres
 
-    return LocalPostgres.for_home(_settings(ctx).home)
+    settings = _settings(ctx)
+    # home_permissions = "refuse" holds here too: an open home is refused, not tightened.
+    return LocalPostgres.for_home(settings.home, fix_home=settings.home_permissions == "fix")
 
 
 @db_app.command()

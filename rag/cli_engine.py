@@ -119,6 +119,9 @@ def _read_key(api_key: str | None, api_key_file: Path | None) -> str | None:
     if api_key_file is not None:
         if api_key:
             raise ConfigError("give the key by --api-key (or RAG_ENGINE_API_KEY) or by --api-key-file, not both")
+        from rag.settings import warn_if_readable_by_others
+
+        warn_if_readable_by_others(api_key_file, "--api-key-file")
         try:
             key = api_key_file.read_text().strip().splitlines()
         except OSError as e:

@@ -146,6 +146,34 @@ def test_an_open_home_is_refused_when_so_configured(open_parent, monkeypatch):
     assert stat.S_IMODE((home / "catalog.sqlite").stat().st_mode) == 0o644
 
 
+def test_rag_db_refuses_an_open_home_when_so_configured(open_parent, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rag.cli_db import db_app
+    home = open_parent / "home"
+    _open_old_home(home)
+    monkeypatch.setenv("RAG_HOME", str(home))
+    monkeypatch.setenv("RAG_HOME_PERMISSIONS", "refuse")
+    result = CliRunner().invoke(db_app, ["status"])
+    assert isinstance(result.exception, ConfigError) and "open to other users" in str(result.exception)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o755  # not tightened behind the setting's back
+
+
+def test_an_engine_key_file_others_can_read_is_warned_about(tmp_path, caplog):
+    from rag.cli_engine import _read_key
+    key_file = tmp_path / "engine-key"
+    key_file.write_text("s3cret\n")
+    key_file.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert _read_key(None, key_file) == "s3cret"
+    assert any("readable by other users" in r.getMessage() and "chmod 600" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    key_file.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        _read_key(None, key_file)
+    assert not caplog.records
+
+
 def test_an_empty_open_directory_just_becomes_0700(open_parent, caplog):
     home = open_parent / "home"
     home.mkdir()  # what `mkdir home` gives under umask 022
