@@ -11,6 +11,7 @@ from fastapi import APIRouter
 
 from rag.api.deps import PrincipalDep, RagDep
 from rag.api.errors import ApiError
+from rag.citations import shown_source
 
 router = APIRouter(prefix="/v1")
 
@@ -24,6 +25,7 @@ async def get_document(collection: str, chunk_id: str, rag: RagDep, principal: P
     record = await asyncio.to_thread(rag.readable_chunk, collection, int(chunk_id), principal)
     if record is None:
         raise ApiError(404, _NOT_FOUND)
-    return {"object": "document.chunk", "id": record.id, "collection": collection, "document": record.document_key,
-            "source": record.source, "title": record.title, "chunk": record.index, "heading": record.heading,
+    name = shown_source(record.source)
+    return {"object": "document.chunk", "id": record.id, "collection": collection, "document": name,
+            "source": name, "title": record.title, "chunk": record.index, "heading": record.heading,
             "text": record.text}
