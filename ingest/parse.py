@@ -84,11 +84,11 @@ def parse_item(item: SourceItem) -> Document:
         if not elements:
             raise ParseError("no text extracted")
         title = item.title
-        source = item.key  # "file.jsonl#id" says more in a citation than the bare file
+        source = item.display or item.key  # "file.jsonl#id" says more than the bare file
     else:
         title, elements = parse_file(item.path)
         title = item.title or title
-        source = str(item.path)
+        source = item.display or str(item.path)
     return Document(
         key=item.key,
         source=source,
@@ -135,7 +135,7 @@ def parse_item_stream(item: SourceItem, stream_above: int = STREAM_ABOVE_BYTES
     if not head:
         raise ParseError("no text extracted")
     title = item.title or _title(head, path, heuristic_titles=heuristic)
-    doc = Document(key=item.key, source=str(path), text="", content_hash=item.content_hash,
+    doc = Document(key=item.key, source=item.display or str(path), text="", content_hash=item.content_hash,
                    acl=item.acl, title=title, elements=(), metadata=dict(item.metadata))
     return doc, itertools.chain(head, elements)
 

@@ -14,8 +14,8 @@ batch of parsed documents waits for the embedder at a time.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import json
 import logging
 import os
 import time
@@ -27,9 +27,11 @@ from typing import TypeVar
 import numpy as np
 
 from ingest.acl_changes import AclProblem, Widening, widens
+from ingest.batch_commit import BatchCommitter, CommitCounts, OpenDocument
 from ingest.chunk import Chunker
 from ingest.deletion_guard import DeletionGuard, DeletionRefusal
-from ingest.parse import parse_item
+from ingest.parse import STREAM_ABOVE_BYTES, document_bytes, parse_item_stream
+from ingest.source_names import SourceNamer
 from ingest.sources import (
     COVERS_SOURCE,
     SourceItem,
@@ -39,9 +41,9 @@ from ingest.sources import (
     scan_roots,
     walk_sources,
 )
+from ingest.staging import ChunkStaging
 from ingest.vanished import NOBODY, Holds, restrict, settle_vanished
 from rag.errors import IngestError
-from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
 from retrieval.catalog import DocumentState
 from retrieval.rebuild import BuildOutcome, CollectionBuild
@@ -55,11 +57,25 @@ ProgressFn = Callable[[str, int, int], None]
 
 T = TypeVar("T")
 
+# Documents above this size are not ingested (reported as skipped): formats parsed whole (PDF, DOCX,
+# HTML) take several times their size in memory, and a streamed text file's final write holds its
+# chunks and vectors (about 3x its size). rag/settings.py's max_document_bytes sets it.
+DEFAULT_MAX_DOCUMENT_BYTES = 100 * 1024 * 1024
+
 
 @dataclass
 class Problem:
     key: str
     reason: str
+
+
+@dataclass
+class Skipped:
+    """A source over the size cap: not read; a stored version of it stays as it was (ACL updated)."""
+
+    key: str
+    bytes: int
+    max_bytes: int
 
 
 @dataclass
@@ -74,7 +90,10 @@ class IngestReport:
     deleted: int = 0
     chunks_written: int = 0
     tokens_embedded: int = 0
+    chunks_embedded: int = 0  # sent to the embedder by this run
+    chunks_resumed: int = 0  # embedded by an interrupted run (staged), not again by this one
     problems: list[Problem] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)  # over max_document_bytes
     seconds: dict[str, float] = field(default_factory=dict)  # per stage, and "total"
     build: BuildOutcome | None = None  # set when the run built a new version of the collection
     acl_errors: list[AclProblem] = field(default_factory=list)  # stored/kept readable by nobody
@@ -106,6 +125,8 @@ class IngestReport:
             "unchanged": self.unchanged, "acl_updated": self.acl_updated,
             "deleted": self.deleted, "chunks_written": self.chunks_written,
             "tokens_embedded": self.tokens_embedded,
+            "chunks_embedded": self.chunks_embedded, "chunks_resumed": self.chunks_resumed,
+            "skipped": [{"source": s.key, "bytes": s.bytes, "max_bytes": s.max_bytes} for s in self.skipped],
             "problems": [{"source": p.key, "reason": p.reason} for p in self.problems],
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "rates": self.rates(),
@@ -116,20 +137,14 @@ class IngestReport:
         }
 
 
-@dataclass
-class _Pending:
-    doc: Document
-    acl: frozenset[str]
-    chunks: list[Chunk]
-    is_new: bool
-
-
 class IngestPipeline:
     """Brings a collection in line with the sources under some paths."""
 
     def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray],
-                 chunker: Chunker, batch_chunks: int = 256,
-                 guard: DeletionGuard | None = None) -> None:
+                 chunker: Chunker, batch_chunks: int = 256, namer: SourceNamer | None = None,
+                 guard: DeletionGuard | None = None,
+                 max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
+                 stream_above_bytes: int = STREAM_ABOVE_BYTES) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -138,12 +153,23 @@ class IngestPipeline:
                 of a run that completed it.
             batch_chunks: chunks embedded per call; parsed documents wait for the embedder until
                 their chunks fill a batch, so this bounds what a run holds besides stored states.
+                After each call its work is committed (`ingest.batch_commit`): a killed run
+                loses at most one batch.
+            max_document_bytes: sources larger than this are skipped and reported (0: no cap).
+            staging_path: the SQLite file where a document's chunks wait until the last one is
+                embedded (durable, so a restart resumes inside a huge document); None keeps
+                them in memory. A finished run deletes it.
+            stream_above_bytes: text and Markdown files above this are parsed block by block.
         """
+        self.max_document_bytes = max_document_bytes
+        self.staging_path = staging_path
+        self.stream_above_bytes = stream_above_bytes
         self.index = index
         self.embed = embed
         self.chunker = chunker
         self.batch_chunks = batch_chunks
         self.max_pending_chunks = 0  # the most chunks that ever waited for the embedder (tests)
+        self.namer = namer or SourceNamer()  # what citations call each source
         self.guard = guard or DeletionGuard()
 
     def run(self, paths: Sequence[Path], progress: ProgressFn | None = None,
@@ -185,9 +211,16 @@ class IngestPipeline:
 
         num_mine = sum(1 for key in stored if mine(key))  # what the guard's fraction is of
         holds = Holds()  # problems that speak for documents the walk could not see
-        pending: list[_Pending] = []
-        embedded = [0, 0]  # chunks, tokens: for progress
-        for n, item in enumerate(_timed(walk_sources(roots), clock, "scan"), 1):
+        staging = ChunkStaging(self.staging_path, _staging_scope(self.index))
+
+        def on_batch(counts: CommitCounts) -> None:
+            if progress:  # moves within a huge document too: one step per embed batch
+                progress("embed", counts.chunks_embedded + counts.chunks_resumed, 0)
+                progress("tokens", counts.tokens_embedded, 0)
+
+        committer = BatchCommitter(self.index, self.embed, self.batch_chunks, staging,
+                                   lambda entry: _count_written(entry, report), clock, on_batch)
+        for n, item in enumerate(_timed(walk_sources(roots, namer=self.namer), clock, "scan"), 1):
             is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
             if is_hold:
                 holds.add(item)  # in every shard: what it covers may be any shard's
@@ -199,14 +232,15 @@ class IngestPipeline:
                 if old is not None:
                     self._keep(item, old, report, clock)
             else:
-                self._one(item, old, report, pending, clock)
+                self._one(item, old, report, committer, clock)
             if progress:
                 progress("ingest", n, max(total, n))
-            waiting = sum(len(p.chunks) for p in pending)
-            self.max_pending_chunks = max(self.max_pending_chunks, waiting)
-            if waiting >= self.batch_chunks:
-                self._flush(pending, report, clock, progress, embedded)
-        self._flush(pending, report, clock, progress, embedded)
+            self.max_pending_chunks = max(self.max_pending_chunks, committer.waiting)
+            if committer.waiting >= self.batch_chunks:
+                committer.flush()
+        committer.flush()
+        report.chunks_embedded = committer.counts.chunks_embedded
+        report.chunks_resumed = committer.counts.chunks_resumed
 
         with clock("delete"):
             report.acl_errors.extend(holds.restrict_ambiguous(self.index, mine))
@@ -217,6 +251,7 @@ class IngestPipeline:
             report.deletion_refused = outcome.refusal
         with clock("save"):
             self.index.save()
+        staging.remove()  # everything staged was written (or its source failed)
         if isinstance(self.index, CollectionBuild):
             with clock("switch"):
                 report.build = self.index.finish()
@@ -236,7 +271,7 @@ class IngestPipeline:
                 restrict(self.index, problem.key, acl)
 
     def _one(self, item: SourceItem, old: DocumentState | None, report: IngestReport,
-             pending: list[_Pending], clock: _Clock) -> None:
+             committer: BatchCommitter, clock: _Clock) -> None:
         if item.acl_error is not None:
             report.acl_errors.append(AclProblem(item.key, item.acl_error))
         if old is not None and widens(old.acl, item.acl):
@@ -249,27 +284,62 @@ class IngestPipeline:
             else:
                 report.unchanged += 1
             return
+        if self._over_cap(item, report):
+            self._keep_acl(item, old, clock)
+            return
+        # Parsing and chunking stream (a huge text file is read a block at a time): the chunks
+        # go to the committer as they come, which embeds and commits them a batch at a time.
         try:
             with clock("parse"):
-                doc = parse_item(item)
-            with clock("chunk"):
-                chunks = self.chunker.chunk(doc)
-        except IngestError as e:
-            report.problems.append(Problem(item.key, str(e)))
-            self._keep_acl(item, old, clock)
+                doc, elements = parse_item_stream(item, self.stream_above_bytes)
+        except Exception as e:
+            self._failed(item, old, e, report, clock)
             return
-        except Exception as e:  # a parser bug must not end the run; say what it was
-            log.debug("parse failed for %s", item.key, exc_info=True)
-            report.problems.append(Problem(item.key, f"{type(e).__name__}: {e}"))
-            self._keep_acl(item, old, clock)
-            return
-        if not chunks:
+        committer.begin(doc, item.acl, is_new=old is None)
+        parsing: dict[str, float] = {}  # the part of "chunk" spent reading later blocks
+        chunks = self.chunker.iter_chunks(doc, _timed(elements, _Clock(parsing), "parse"))
+        try:
+            while True:
+                try:
+                    with clock("chunk"):
+                        chunk = next(chunks, None)
+                except Exception as e:  # a later block failed to parse: none of the document is written
+                    committer.abort()
+                    self._failed(item, old, e, report, clock)
+                    return
+                if chunk is None:
+                    break
+                committer.add(chunk)  # may embed a batch: its errors are not this source's, they end the run
+        finally:
+            moved = parsing.get("parse", 0.0)
+            report.seconds["parse"] = report.seconds.get("parse", 0.0) + moved
+            report.seconds["chunk"] = report.seconds.get("chunk", 0.0) - moved
+        with clock("write"):
+            num_chunks = committer.end()
+        if not num_chunks:
             report.problems.append(Problem(item.key, "no text extracted"))
             self._keep_acl(item, old, clock)
-            return
-        # The store needs the chunks, not the whole text: a waiting document holds no more.
-        doc = dataclasses.replace(doc, text="", elements=())
-        pending.append(_Pending(doc, item.acl, chunks, is_new=old is None))
+
+    def _failed(self, item: SourceItem, old: DocumentState | None, e: Exception, report: IngestReport,
+                clock: _Clock) -> None:
+        if isinstance(e, IngestError):
+            report.problems.append(Problem(item.key, str(e)))
+        else:  # a parser bug must not end the run; say what it was
+            log.debug("parse failed for %s", item.key, exc_info=e)
+            report.problems.append(Problem(item.key, f"{type(e).__name__}: {e}"))
+        self._keep_acl(item, old, clock)
+
+    def _over_cap(self, item: SourceItem, report: IngestReport) -> bool:
+        if not self.max_document_bytes:
+            return False
+        try:
+            size = document_bytes(item)
+        except OSError:
+            return False  # parsing reports why it cannot be read
+        if size <= self.max_document_bytes:
+            return False
+        report.skipped.append(Skipped(item.key, size, self.max_document_bytes))
+        return True
 
     def _keep_acl(self, item: SourceItem, old: DocumentState | None, clock: _Clock) -> None:
         # The stored version of a source that no longer parses stays, but under the source's
@@ -278,32 +348,20 @@ class IngestPipeline:
             with clock("write"):
                 restrict(self.index, item.key, item.acl)
 
-    def _flush(self, pending: list[_Pending], report: IngestReport, clock: _Clock,
-               progress: ProgressFn | None, embedded: list[int]) -> None:
-        if not pending:
-            return
-        texts = [c.text for p in pending for c in p.chunks]
-        with clock("embed"):
-            vectors = self.embed(texts)
-        offset = 0
-        with clock("write"):
-            for p in pending:
-                n = len(p.chunks)
-                self.index.replace_document(p.doc, p.acl, p.chunks, vectors[offset:offset + n])
-                offset += n
-                tokens = sum(c.num_tokens for c in p.chunks)
-                report.chunks_written += n
-                report.tokens_embedded += tokens
-                embedded[0] += n
-                embedded[1] += tokens
-                if p.is_new:
-                    report.added += 1
-                else:
-                    report.updated += 1
-        pending.clear()
-        if progress:
-            progress("embed", embedded[0], 0)
-            progress("tokens", embedded[1], 0)
+
+def _count_written(entry: OpenDocument, report: IngestReport) -> None:
+    report.chunks_written += entry.num_chunks
+    report.tokens_embedded += entry.num_tokens
+    if entry.is_new:
+        report.added += 1
+    else:
+        report.updated += 1
+
+
+def _staging_scope(index: CollectionStore) -> str:
+    """What staged vectors are valid for: this collection, embedder and chunking."""
+    info = index.info
+    return json.dumps([index.name, info.embedder, info.fingerprint, info.dim, info.chunking], sort_keys=True)
 
 
 def shard_of(key: str, count: int) -> int:

@@ -144,7 +144,9 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         write_record(directory, record)
         chunker = Chunker(embedder.tokenizer, cfg)
         guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
-        report = IngestPipeline(store, embedder.embed, chunker, guard=guard).run(
+        report = IngestPipeline(store, embedder.embed, chunker, guard=guard,
+                                max_document_bytes=settings.max_document_bytes,
+                                staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards))
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
         write_record(directory, record)

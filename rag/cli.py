@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from rag.cli_audit import audit_app
+from rag.cli_choices import ModeChoice, StoreChoice, plain
 from rag.cli_db import db_app
 from rag.cli_engine import engine_app
 from rag.cli_index import index_app
@@ -38,8 +39,9 @@ _state: dict[str, object] = {}
 
 Home = Annotated[Path | None, typer.Option("--home", help="data directory (default: RAG_HOME or ./.rag)")]
 Collection = Annotated[str | None, typer.Option("--collection", "-c", help="collection name (default: 'default')")]
-Store = Annotated[str | None, typer.Option(
+Store = Annotated[StoreChoice | None, typer.Option(
     "--store", help="where chunks live: faiss (default), faiss-hnsw, faiss-ivf, memory or pgvector")]
+AsJson = Annotated[bool, typer.Option("--json", help="print JSON (for scripts)")]
 Dsn = Annotated[str | None, typer.Option(
     "--dsn", help="PostgreSQL URL for --store pgvector (default: the server of `rag db start`)")]
 
@@ -52,18 +54,47 @@ def _rag(home: Path | None = None, **overrides: object):
     from rag.pipeline import Rag
     from rag.settings import load_settings
 
-    settings = load_settings(home=home or _state.get("home"), **overrides)
+    settings = load_settings(home=home or _state.get("home"), **{k: plain(v) for k, v in overrides.items()})
     return Rag(settings)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"labrag {version('labrag')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("labrag (not installed)")
+        raise typer.Exit()
 
 
 @app.callback()
 def _main(
     home: Home = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what happens")] = False,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="print the version and exit")] = False,
 ) -> None:
     _state["home"] = home
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(text: str | None, flag: str) -> int | None:
+    """'200M' -> 209715200 (binary units; a trailing B or iB is allowed: 200MB, 200MiB)."""
+    if text is None:
+        return None
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise typer.BadParameter(f"{text!r} is not a size: use bytes or a number with K, M, G or T "
+                                 "(e.g. 200M)", param_hint=flag)
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
 
 
 @app.command()
@@ -88,6 +119,11 @@ def ingest(
         "--allow-mass-delete", help="the sources are really gone: delete them however many, even "
         "all of those under a path that now yields nothing (an empty or unmounted directory is "
         "refused without it)")] = False,
+    max_document_bytes: Annotated[str | None, typer.Option(
+        "--max-document-bytes", metavar="SIZE",
+        help="skip (and list) sources larger than SIZE: bytes, or with a unit (500K, 200M, 2G; "
+        "binary units); 0 = no cap (default 100M, or max_document_bytes). A skipped source's "
+        "stored version, if any, stays as it was")] = None,
 ) -> None:
     """Ingest documents with their permissions; re-running only redoes what changed.
 
@@ -114,7 +150,8 @@ def ingest(
         if not p.exists():
             raise RagError(f"path not found: {p}")
     sharding = resolve_shard(shard, num_shards, os.environ)
-    rag = _rag(store=store, dsn=dsn, max_delete_fraction=max_delete_fraction)
+    rag = _rag(store=store, dsn=dsn, max_delete_fraction=max_delete_fraction,
+               max_document_bytes=_parse_size(max_document_bytes, "--max-document-bytes"))
     started = time.perf_counter()
     show = sys.stderr.isatty() and not as_json
     with IngestProgress(enabled=show) as bar:
@@ -164,6 +201,13 @@ def ingest(
                    f"{rates['embed_chunks_per_second']} chunks/s ({rates['embed_tokens_per_second']} tokens/s)")
         if report.build is not None:
             typer.echo(report.build.summary())
+        if report.skipped:
+            typer.echo(f"{len(report.skipped)} source(s) over the size cap, not read (--max-document-bytes; "
+                       "a version ingested before stays as it was):")
+        for s in report.skipped:
+            typer.echo(f"  {s.key}: {s.bytes:,} bytes, cap {s.max_bytes:,}")
+        if report.chunks_resumed:
+            typer.echo(f"{report.chunks_resumed} chunks embedded by an interrupted run were reused")
         if report.problems:
             typer.echo(f"{len(report.problems)} source(s) skipped:")
             for p in report.problems:
@@ -198,7 +242,7 @@ def query(
     no_generate: Annotated[bool, typer.Option("--no-generate", help="retrieve and rerank only")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     collection: Collection = None,
-    mode: Annotated[str | None, typer.Option(
+    mode: Annotated[ModeChoice | None, typer.Option(
         "--mode", help="retrieval: dense (embeddings), keyword (BM25 / full text) or hybrid "
         "(both, fused; the default)")] = None,
     no_rerank: Annotated[bool, typer.Option("--no-rerank", help="skip the cross-encoder")] = False,
@@ -210,7 +254,7 @@ def query(
     try:
         principal = rag.principal(user, group or [])
         answer = rag.query(question, principal, collection=collection, k=k, generate=not no_generate,
-                           rerank=False if no_rerank else None, mode=mode)
+                           rerank=False if no_rerank else None, mode=plain(mode))
     finally:
         rag.close()  # stops the engine's step thread before the interpreter exits
     if as_json:
@@ -243,6 +287,8 @@ def answer_to_dict(answer, principal) -> dict:
 
 
 def _display_path(source: str) -> str:
+    if not source.startswith("/"):  # a path under its ingest root, or a URL (source_urls)
+        return source
     try:
         return os.path.relpath(source)
     except ValueError:
@@ -290,17 +336,23 @@ def serve(
 
 
 @app.command("collections")
-def collections(store: Store = None, dsn: Dsn = None) -> None:
+def collections(store: Store = None, dsn: Dsn = None, as_json: AsJson = False) -> None:
     """List collections with their document and chunk counts."""
     rag = _rag(store=store, dsn=dsn)
-    names = rag.collection_names()
-    if not names:
-        typer.echo("no collections yet: run `rag ingest PATH`")
-    for name in names:
+    rows = []
+    for name in rag.collection_names():
         index = rag.index(name)
         info, stats = index.info, index.stats()
-        typer.echo(f"{name}: {stats['documents']} documents, {stats['chunks']} chunks, "
-                   f"embedder {info.embedder} ({info.dim} dims)")
+        rows.append({"name": name, "documents": stats["documents"], "chunks": stats["chunks"],
+                     "embedder": info.embedder, "dim": info.dim})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo("no collections yet: run `rag ingest PATH`")
+    for r in rows:
+        typer.echo(f"{r['name']}: {r['documents']} documents, {r['chunks']} chunks, "
+                   f"embedder {r['embedder']} ({r['dim']} dims)")
 
 
 @keys_app.command("create")
@@ -326,10 +378,17 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list() -> None:
+def keys_list(as_json: AsJson = False) -> None:
     """List keys (ids, users, their groups now, scopes; never the keys themselves)."""
     identity = _rag().identity
     admins = identity.admin_key_ids()
+    if as_json:
+        typer.echo(json.dumps([
+            {"id": k.key_id, "kind": k.kind, "user": k.user or None, "label": k.label, "revoked": k.revoked,
+             "admin": k.key_id in admins, "scope": None if k.scope is None else list(k.scope),
+             "groups": None if k.is_proxy else sorted(identity.key_groups(k.user, k.scope)),
+             "created_at": k.created_at} for k in identity.list_keys()], indent=2))
+        return
     for k in identity.list_keys():
         state = "revoked" if k.revoked else "active"
         if k.key_id in admins:
@@ -360,9 +419,13 @@ def users_add(
 
 
 @users_app.command("list")
-def users_list() -> None:
+def users_list(as_json: AsJson = False) -> None:
     """List registered users and their groups."""
-    for p in _rag().identity.users():
+    users = _rag().identity.users()
+    if as_json:
+        typer.echo(json.dumps([{"user": p.user, "groups": sorted(p.groups)} for p in users], indent=2))
+        return
+    for p in users:
         typer.echo(f"{p.user}: {', '.join(sorted(p.groups)) or '(no groups)'}")
 
 

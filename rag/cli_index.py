@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from rag.cli_choices import StoreChoice, plain
+
 index_app = typer.Typer(help="Collection indexes: join the Faiss shards written by `rag ingest --shard`.",
                         no_args_is_help=True)
 
@@ -22,7 +24,7 @@ def merge(
         "--keep-shards", help="leave the shard directories in place after merging")] = False,
     num_shards: Annotated[int | None, typer.Option(
         "--num-shards", min=1, help="which run to merge when shards of several shard counts are present")] = None,
-    store: Annotated[str | None, typer.Option(
+    store: Annotated[StoreChoice | None, typer.Option(
         "--store", help="the collection's vector index: faiss (default), faiss-hnsw, faiss-ivf or memory")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
@@ -41,7 +43,7 @@ def merge(
     from retrieval.merge import merge_shards
 
     # `rag --home DIR index merge`: the top-level callback's option lives on the root context.
-    rag = Rag(load_settings(home=ctx.find_root().params.get("home"), store=store))
+    rag = Rag(load_settings(home=ctx.find_root().params.get("home"), store=plain(store)))
     started = time.perf_counter()
     show = sys.stderr.isatty() and not as_json
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

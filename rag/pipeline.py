@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ingest.deletion_guard import DeletionGuard
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
+from ingest.source_names import SourceNamer
 from permissions.identity import IdentityStore
 from permissions.models import Principal
 from rag.admission import AdmissionControl
@@ -197,8 +198,14 @@ class Rag:
         chunking = index.info.chunking
         chunker = Chunker(self.embedder.tokenizer,
                           ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
+        namer = SourceNamer(self.settings.source_urls)
         guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
-        return IngestPipeline(index, self.embedder.embed, chunker, guard=guard).run(paths, progress, shard=shard)
+        # Chunks of a document spanning several embed batches wait here (ingest/staging.py).
+        staging = self.settings.home / "staging" / (
+            f"{index.name}.sqlite" if shard is None else f"{index.name}.shard{shard[0]}of{shard[1]}.sqlite")
+        return IngestPipeline(index, self.embedder.embed, chunker, namer=namer, guard=guard,
+                              max_document_bytes=self.settings.max_document_bytes,
+                              staging_path=staging).run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:
         """Collections in which `principal` may read at least one chunk (others stay unnamed)."""

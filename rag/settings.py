@@ -38,7 +38,15 @@ class Settings(BaseSettings):
     reranker: str | None = Field(default=None, description="local HF cross-encoder folder")
     generator: str | None = Field(default=None, description="local HF causal-LM folder or .gguf file")
     device: str | None = Field(default=None, description="cpu or cuda; None = cuda when available")
+    # What citations call a source: its path under the ingest root ("lab-docs/imaging/a.md"),
+    # or, for a source tree published elsewhere, that tree's URL plus the relative path:
+    # {"/data/lab-docs" = "https://wiki.example.org/docs"}. Never the absolute server path.
+    source_urls: dict[str, str] = Field(default_factory=dict)
     chunk_max_tokens: int = Field(default=200, ge=16, le=512)
+    # Sources larger than this (a file's bytes, a JSONL record's text) are skipped and reported;
+    # a stored version of one stays as it was. 0 turns the cap off. Text and Markdown stream with
+    # bounded memory at any size; PDF, DOCX and HTML are parsed whole, at several times their size.
+    max_document_bytes: int = Field(default=100 * 1024 * 1024, ge=0)
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.

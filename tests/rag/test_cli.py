@@ -113,3 +113,31 @@ def test_help_explains_commands(home):
     assert r.returncode == 0
     for cmd in ["ingest", "query", "serve", "keys", "users", "collections"]:
         assert cmd in r.stdout
+
+
+@pytest.mark.parametrize("args, valid", [
+    (["query", "hi", "--as", "otto", "--mode", "fuzzy"], "hybrid"),
+    (["query", "hi", "--as", "otto", "--store", "elastic"], "faiss-hnsw"),
+    (["ingest", ".", "--store", "elastic"], "pgvector"),
+    (["index", "merge", "--store", "elastic"], "faiss-ivf"),
+])
+def test_a_bad_choice_is_a_usage_error_naming_the_valid_ones(home, args, valid):
+    # click checks choices while parsing, before the command runs (so before any model loads).
+    r = _run(args, home)
+    assert r.returncode == 2 and "Invalid value" in r.stderr and valid in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_version_and_json_listings(home):
+    v = _run(["--version"], home)
+    assert v.returncode == 0 and v.stdout.startswith("labrag ")
+    _run(["users", "add", "jude", "--group", "team"], home)
+    key = _run(["keys", "create", "--user", "jude", "--scope", "team"], home).stdout.strip()
+    users = json.loads(_run(["users", "list", "--json"], home).stdout)
+    assert {"user": "jude", "groups": ["team"]} in users
+    keys = {k["id"]: k for k in json.loads(_run(["keys", "list", "--json"], home).stdout)}
+    mine = keys[key.split("_")[1]]
+    assert mine["user"] == "jude" and mine["groups"] == ["team"] and mine["scope"] == ["team"] and not mine["revoked"]
+    assert key not in json.dumps(keys)
+    collections = json.loads(_run(["collections", "--json"], home).stdout)
+    assert isinstance(collections, list) and all({"name", "documents", "chunks"} <= set(c) for c in collections)
