@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 
 from ingest.chunk import Chunker, ChunkingConfig
 from ingest.deletion_guard import DeletionGuard
+from ingest.embed import ingest_batch_chunks
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, shard_of
+from ingest.source_names import SourceNamer
 from ingest.sources import scan_roots
 from rag.errors import ConfigError
 from rag.private_files import private_mkdir
@@ -144,7 +146,8 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         write_record(directory, record)
         chunker = Chunker(embedder.tokenizer, cfg)
         guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
-        report = IngestPipeline(store, embedder.embed, chunker, guard=guard,
+        report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
+                                batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards))

@@ -235,9 +235,10 @@ def _echo_acl_report(report) -> None:
 @app.command()
 def query(
     question: Annotated[str, typer.Argument(help="the question")],
-    user: Annotated[str, typer.Option("--as", help="ask as this user (registered or a system user)")],
+    user: Annotated[str | None, typer.Option(
+        "--as", help="ask as this user (registered or a system user); local queries only")] = None,
     group: Annotated[list[str] | None, typer.Option(
-        "--group", "-g", help="extra group for this query (repeatable)")] = None,
+        "--group", "-g", help="extra group for this query (repeatable); local queries only")] = None,
     k: Annotated[int | None, typer.Option("--k", help="number of sources (default 5)")] = None,
     no_generate: Annotated[bool, typer.Option("--no-generate", help="retrieve and rerank only")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
@@ -248,8 +249,31 @@ def query(
     no_rerank: Annotated[bool, typer.Option("--no-rerank", help="skip the cross-encoder")] = False,
     store: Store = None,
     dsn: Dsn = None,
+    server: Annotated[str | None, typer.Option(
+        "--server", envvar="RAG_SERVER", metavar="URL",
+        help="ask a running `rag serve` at URL (e.g. http://gpu01:8000) instead of loading the models here; "
+        "its API key (from `rag keys create`) says who asks: RAG_API_KEY, or --key-file")] = None,
+    key_file: Annotated[Path | None, typer.Option(
+        "--key-file", envvar="RAG_API_KEY_FILE", metavar="FILE",
+        help="with --server: a file holding the API key (chmod 600; keys never go on the command line)")] = None,
 ) -> None:
-    """Answer a question from the documents USER may read, with numbered citations."""
+    """Answer a question from the documents USER may read, with numbered citations.
+
+    Citations show a relevance from 0 to 1 (the cross-encoder's probability that the source
+    answers the question); without the reranker they show their rank instead. --json keeps
+    the raw `score` beside `relevance` and `rank`.
+
+    Every local query loads the models first (seconds); with --server URL (or RAG_SERVER) it
+    asks a running `rag serve`, which keeps them loaded, and answers from what its key may read.
+    """
+    if server:
+        _query_server(server, key_file, question, user=user, group=group, store=store, dsn=dsn,
+                      no_rerank=no_rerank, collection=collection, k=k, generate=not no_generate,
+                      mode=plain(mode), as_json=as_json)
+        return
+    if user is None:
+        raise RagError("who asks? pass --as USER for a local query, or --server URL (or RAG_SERVER) to ask a "
+                       "running `rag serve` with your API key")
     rag = _rag(store=store, dsn=dsn)
     try:
         principal = rag.principal(user, group or [])
@@ -257,21 +281,64 @@ def query(
                            rerank=False if no_rerank else None, mode=plain(mode))
     finally:
         rag.close()  # stops the engine's step thread before the interpreter exits
+    _print_answer(answer_to_dict(answer, principal), as_json)
+    from rag.query_client import load_hint
+
+    hint = load_hint(answer.timings)
+    if hint:
+        typer.echo(hint, err=True)
+
+
+def _query_server(server: str, key_file: Path | None, question: str, *, user: str | None,
+                  group: list[str] | None, store: object, dsn: str | None, no_rerank: bool,
+                  collection: str | None, k: int | None, generate: bool, mode: str | None,
+                  as_json: bool) -> None:
+    """`rag query --server`: the key names the user, and the server's own settings choose the store."""
+    from rag.query_client import ServerQueryError, query_server, resolve_api_key
+
+    local_only = [flag for flag, given in (("--as", user is not None), ("--group", bool(group)),
+                                           ("--store", store is not None), ("--dsn", dsn is not None),
+                                           ("--no-rerank", no_rerank)) if given]
+    if local_only:
+        raise RagError(f"{', '.join(local_only)} cannot be used with --server (or RAG_SERVER): the server's "
+                       "API key says who asks and its own settings choose the store; drop them, or unset "
+                       "RAG_SERVER for a local query")
+    key = resolve_api_key(key_file, os.environ)
+    try:
+        result = query_server(server, key, question, collection=collection, k=k, generate=generate, mode=mode)
+    except ServerQueryError as e:
+        _err(str(e))
+        raise typer.Exit(e.exit_code) from None
+    _print_answer(result, as_json)
+
+
+def _print_answer(result: dict, as_json: bool) -> None:
+    """A query's answer (the dict of `answer_to_dict`, local or from a server) for people or scripts."""
     if as_json:
-        typer.echo(json.dumps(answer_to_dict(answer, principal), indent=2))
+        typer.echo(json.dumps(result, indent=2))
         return
-    if answer.text is not None:
-        typer.echo(answer.text)
+    if result["answer"] is not None:
+        typer.echo(result["answer"])
         typer.echo("")
-    if not answer.citations:
-        typer.echo(f"(no sources that {principal.user} may read match this question)")
-    for c in answer.citations:
-        typer.echo(f"[{c.number}] {_display_path(c.source)} (chunk {c.chunk_index}, score {c.score:.3f})")
-    typer.echo(f"({', '.join(f'{k} {v * 1000:.0f} ms' for k, v in answer.timings.items())})",
-               err=True)
+    if not result["citations"]:
+        typer.echo(f"(no sources that {result['user']} may read match this question)")
+    for c in result["citations"]:
+        typer.echo(f"[{c['number']}] {_display_path(c['source'])} (chunk {c['chunk']}, {_shown_relevance(c)})")
+    if result["timings_ms"]:
+        typer.echo(f"({', '.join(f'{k} {v:.0f} ms' for k, v in result['timings_ms'].items())})", err=True)
+
+
+def _shown_relevance(citation: dict) -> str:
+    """'relevance 0.97' where the reranker gave one, else the rank (a search score is not a probability)."""
+    if citation.get("relevance") is not None:
+        return f"relevance {citation['relevance']:.2f}"
+    if citation.get("rank") is not None:
+        return f"rank {citation['rank']}"
+    return f"score {citation['score']:.3f}"
 
 
 def answer_to_dict(answer, principal) -> dict:
+    """A local answer in the --json shape (also what `rag.query_client.response_to_dict` returns)."""
     return {
         "question": answer.question,
         "user": principal.user,
@@ -279,7 +346,9 @@ def answer_to_dict(answer, principal) -> dict:
         "answer": answer.text,
         "citations": [
             {"number": c.number, "source": c.source, "document": c.document_key,
-             "chunk": c.chunk_index, "score": round(c.score, 4), "text": c.text}
+             "chunk": c.chunk_index, "score": round(c.score, 4),
+             "relevance": None if c.relevance is None else round(c.relevance, 4), "rank": c.rank,
+             "text": c.text}
             for c in answer.citations
         ],
         "timings_ms": {k: round(v * 1000, 1) for k, v in answer.timings.items()},
@@ -433,8 +502,13 @@ def main() -> None:
     """Entry point: one-line errors and a non-zero exit for anything the user can fix."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # transformers draws a "Loading weights" bar on every model load; ours is enough.
+    # The tokenizer's threads are much of the GPU embedder's speed (its lead over
+    # sentence-transformers falls from 5.6-7.8x to 1.7-2x without them: docs/benchmarks.md).
+    # Saying "true" keeps them and silences tokenizers' fork warning: our embed workers are
+    # spawned, never forked, and the children we fork (Postgres tools, runuser) exec at once.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    # Our model loads silence third-party bars themselves (rag/quiet.py, as in notebooks); a
+    # command has no user settings to keep, so it also turns them off process-wide as a backstop.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF converter's bar, too
     # Everything a `rag` command writes is lab data (chunk text, keys, logs): owner-only even where a

@@ -181,17 +181,30 @@ class Rag:
         return self.catalog.collection_names()
 
     def ingest(self, paths: Sequence[Path], collection: str | None = None,
-               progress: ProgressFn | None = None, shard: tuple[int, int] | None = None,
+               progress: ProgressFn | bool | None = None, shard: tuple[int, int] | None = None,
                allow_mass_delete: bool = False) -> IngestReport:
         """Bring a collection in line with the sources under `paths` (creating it if new).
 
         Args:
+            progress: None (default): our progress bars in a terminal or a notebook, nothing
+                when output goes to a log or a pipe; True/False: bars on/off; or your own
+                ProgressFn, called with (stage, done, total).
             shard: (index, count): write only the documents of this hash partition into the
                 collection itself (pgvector, which takes concurrent writers); the embedded store
                 shards into separate data directories instead (`ingest.shards.ingest_shard`).
             allow_mass_delete: delete whatever is gone, past `max_delete_fraction` of the
                 collection and under roots that yield nothing (see ingest/deletion_guard.py).
         """
+        from rag.progress import IngestProgress, show_progress
+
+        if callable(progress) or not show_progress(progress):
+            return self._ingest(paths, collection, progress if callable(progress) else None, shard,
+                                allow_mass_delete)
+        with IngestProgress(enabled=True) as bar:  # its "loading models" line covers the embedder load
+            return self._ingest(paths, collection, bar.update, shard, allow_mass_delete)
+
+    def _ingest(self, paths: Sequence[Path], collection: str | None, progress: ProgressFn | None,
+                shard: tuple[int, int] | None, allow_mass_delete: bool) -> IngestReport:
         from ingest.chunk import Chunker, ChunkingConfig
 
         index = self.index(collection, create=True)
@@ -203,7 +216,10 @@ class Rag:
         # Chunks of a document spanning several embed batches wait here (ingest/staging.py).
         staging = self.settings.home / "staging" / (
             f"{index.name}.sqlite" if shard is None else f"{index.name}.shard{shard[0]}of{shard[1]}.sqlite")
-        return IngestPipeline(index, self.embedder.embed, chunker, namer=namer, guard=guard,
+        from ingest.embed import ingest_batch_chunks
+
+        batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
+        return IngestPipeline(index, self.embedder.embed, chunker, batch_chunks=batch, namer=namer, guard=guard,
                               max_document_bytes=self.settings.max_document_bytes,
                               staging_path=staging).run(paths, progress, shard=shard)
 
@@ -366,15 +382,19 @@ class Rag:
         k = k if k is not None else self.settings.top_k
         if not 1 <= k <= 100:
             raise ConfigError(f"k must be between 1 and 100, got {k}")
+        self.index(collection)  # an unknown collection fails before any model loads
+        mode = check_mode(mode or self.settings.mode)
+        timings = self._load_retrieval_models(dense=mode != "keyword",
+                                              rerank=self.settings.rerank if rerank is None else rerank)
         retriever = self.retriever(collection, rerank)
+        reranked = retriever.reranker is not None
         result = retriever.retrieve(retrieval_query or question, principal, k=k,
                                     candidates=max(k, self.settings.candidates),
-                                    rerank=retriever.reranker is not None,
-                                    mode=check_mode(mode or self.settings.mode))
-        timings = dict(result.timings)
+                                    rerank=reranked, mode=mode)
+        timings |= result.timings
         answer = Answer(question=question, text=None, citations=[], hits=result.hits, timings=timings)
         if not generate:
-            answer.citations = citations_for(canonical_order(result.hits))
+            answer.citations = citations_for(canonical_order(result.hits), result.hits, reranked)
             return PreparedAnswer(answer, None, started)
         relevant = result.hits
         floor = self.settings.min_rerank_score
@@ -388,7 +408,7 @@ class Rag:
         generator = self.generator
         timings["load_generator"] = time.perf_counter() - t
         sources = canonical_order(select_sources(relevant, generator.count_tokens, self.settings.context_tokens))
-        answer.citations = citations_for(sources)
+        answer.citations = citations_for(sources, result.hits, reranked)
         prompt = build_prompt(question, sources, history)
         request = GenerationRequest(
             messages=prompt.messages,
@@ -396,6 +416,21 @@ class Rag:
             segments=self.cache_segments(prompt, sources, principal),
             user_salt=self.user_salt(principal))
         return PreparedAnswer(answer, request, started)
+
+    def _load_retrieval_models(self, dense: bool, rerank: bool) -> dict[str, float]:
+        """Load the models this query uses, timed apart from the work (`rag query` says when loading dominates).
+
+        After the first query they are loaded, and each time is ~0 (a long-running `rag serve`).
+        """
+        timings: dict[str, float] = {}
+        # The properties the retriever calls, so that whatever stands in for a model is what loads.
+        for key, attribute, needed in (("load_embedder", "query_embedder", dense),
+                                       ("load_reranker", "batched_reranker", rerank)):
+            if needed:
+                t = time.perf_counter()
+                getattr(self, attribute)
+                timings[key] = time.perf_counter() - t
+        return timings
 
     # -- prefix-cache namespaces -------------------------------------------------------------
 

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     # bounded memory at any size; PDF, DOCX and HTML are parsed whole, at several times their size.
     max_document_bytes: int = Field(default=100 * 1024 * 1024, ge=0)
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
+    # Chunks per embed call of `rag ingest`, each committed when it returns (a killed run redoes
+    # at most one). None: 256 on a CPU (~8 s of work), 4096 on a GPU, where small calls leave it
+    # idle (bench/ingest_gpu.py).
+    ingest_batch_chunks: int | None = Field(default=None, ge=1, le=65536)
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
     # A mount that vanished looks like every file deleted; 1.0 turns the share check off.

@@ -383,3 +383,11 @@ def test_all_gpus_give_the_vectors_of_one() -> None:
         assert_parity(spread[-len(EDGE):], reference_vectors(folder, EDGE, every.max_length), min_cos=0.999)
     finally:
         every.close()
+
+
+def test_ingest_commits_smaller_embed_calls_on_a_cpu_than_on_a_gpu():
+    from ingest.embed import ingest_batch_chunks
+
+    assert ingest_batch_chunks("cpu", None) == 256  # a killed CPU run redoes ~8 s of work at most
+    assert ingest_batch_chunks("cuda:0", None) == 4096  # small calls leave a GPU idle
+    assert ingest_batch_chunks("cuda", 512) == 512  # the setting wins
