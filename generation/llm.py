@@ -18,6 +18,7 @@ from generation.models.llama import LlamaForCausalLM
 from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
 from rag.errors import GenerationError
+from rag.quiet import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class LLM:
         config = dataclasses.replace(config, **overrides, **engine_args)
         self.model_dir = Path(model).expanduser()
         logger.info("loading generator %s", self.model_dir)
-        self.engine = LLMEngine(self.model_dir, config)
+        with quiet_libraries():  # the engine loads a transformers tokenizer
+            self.engine = LLMEngine(self.model_dir, config)
         runner = self.engine.model_runner
         self.device: torch.device = runner.device
         self.dtype: torch.dtype = runner.dtype

@@ -21,6 +21,7 @@ from generation.models.llama import LlamaForCausalLM
 from rag.atomic import publish_dir
 from rag.errors import ModelError
 from rag.private_files import private_mkdir
+from rag.quiet import GGUF_CONVERTER, quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     try:
         logger.info("converting %s into %s (once; about 20 s on 2 cores)", gguf_path.name, target)
         started = time.perf_counter()
-        _convert_into(gguf_path, tmp)
+        with quiet_libraries(tqdm_modules=(GGUF_CONVERTER,)):  # no dequantize/load/save bars
+            _convert_into(gguf_path, tmp)
         seconds = round(time.perf_counter() - started, 1)
         info = {**source_info, "source": str(gguf_path), "seconds": seconds}
         (tmp / MARKER_NAME).write_text(json.dumps(info, indent=2))
@@ -250,7 +252,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
         ModelError: unsupported architecture, or weights that do not fit the config.
     """
     check_model_dir(model_dir)
-    config = ModelConfig.from_model_dir(model_dir)
+    with quiet_libraries():  # transformers' AutoConfig reads config.json
+        config = ModelConfig.from_model_dir(model_dir)
     model = LlamaForCausalLM.create_empty(config, device, dtype)
     try:
         model.load_weights(_iter_safetensors(model_dir))

@@ -12,6 +12,7 @@ import torch
 
 from ingest.embed_batches import TextEncoder, TokenWindow, pad_rows, plan_batches
 from ingest.embed_prefetch import prefetch
+from rag.quiet import quiet_libraries
 
 # The first window is small so the device starts early; later ones are big enough that sorting
 # inside a window leaves almost no padding.
@@ -50,10 +51,11 @@ def load_encoder(folder: str | Path, device: str, dtype: torch.dtype) -> torch.n
     """Load a Hugging Face encoder for inference, with PyTorch SDPA attention where the model has it."""
     from transformers import AutoModel
 
-    try:
-        model = AutoModel.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
-    except (ValueError, ImportError):  # an architecture without an SDPA path: its default attention
-        model = AutoModel.from_pretrained(folder, local_files_only=True)
+    with quiet_libraries():  # also in GPU worker processes, whose stderr is the user's
+        try:
+            model = AutoModel.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
+        except (ValueError, ImportError):  # an architecture without an SDPA path: its default attention
+            model = AutoModel.from_pretrained(folder, local_files_only=True)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -107,7 +109,8 @@ class EncoderRunner:
         """Load the model and tokenizer a spec names (in a worker process)."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(spec.folder, local_files_only=True)
+        with quiet_libraries():
+            tokenizer = AutoTokenizer.from_pretrained(spec.folder, local_files_only=True)
         model = load_encoder(spec.folder, spec.device, getattr(torch, spec.dtype))
         return cls(model, tokenizer, spec.device, spec.pooling, spec.max_length, spec.max_batch_tokens)
 

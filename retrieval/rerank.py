@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rag.errors import ConfigError, ModelError
+from rag.quiet import quiet_libraries
 from rag.types import Hit
 from retrieval.base import Reranker  # re-exported: the protocol callers type against
 from retrieval.reranker_convert import (
@@ -109,10 +110,11 @@ class CrossEncoderReranker:
         elif device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} was asked for but CUDA is not available here")
         try:
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                model_dir, local_files_only=True
-            )
+            with quiet_libraries():  # our progress, not transformers' bars
+                self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    model_dir, local_files_only=True
+                )
         except Exception as e:  # a broken folder fails in many ways; all mean "fix the folder"
             raise ModelError(f"could not load the reranker from {model_dir}: {e}") from e
         if model.config.num_labels not in (1, 2):

@@ -16,6 +16,7 @@ import numpy as np
 from rag.atomic import publish_dir
 from rag.errors import ModelError
 from rag.private_files import private_mkdir
+from rag.quiet import quiet_libraries
 
 DEFAULT_RERANKER_NAME = "ms-marco-MiniLM-L-12-v2"
 MARKER_FILE = ".labrag-converted.json"
@@ -334,7 +335,7 @@ def convert_onnx_reranker(onnx_path: Path, out_dir: Path) -> Path:
     config = _bert_config(graph, weights)
 
     # Check names and shapes against the real architecture (no memory, no init cost on meta).
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_libraries():
         expected = BertForSequenceClassification(config).state_dict()
     missing = [k for k in expected if k not in weights]
     wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k].shape]
@@ -351,7 +352,8 @@ def convert_onnx_reranker(onnx_path: Path, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config.save_pretrained(tmp)
+        with quiet_libraries():  # transformers logs every save at INFO
+            config.save_pretrained(tmp)
         _copy_tokenizer(onnx_path.parent, tmp, config.max_position_embeddings)
         marker = {
             "source": str(onnx_path.resolve()),
