@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from rag.api import openapi_docs
+from rag.api.error_docs import without_unanswered_422
 from rag.api.errors import install_error_handlers
 from rag.api.observability import install_observability
 from rag.api.routes import chat, documents, health, page, query
@@ -44,7 +46,9 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
             await rag.aclose_generator()
             await asyncio.to_thread(rag.close)
 
-    app = FastAPI(title="lab RAG", version="0.2.0", lifespan=lifespan)
+    # FastAPI's /docs and /redoc load their scripts from a CDN: /docs is served locally instead
+    # (rag/api/openapi_docs.py), and there is no /redoc.
+    app = FastAPI(title="lab RAG", version="0.2.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_observability(app, settings)  # request ids, access log, GET /metrics
     app.include_router(health.router)
@@ -52,4 +56,18 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(documents.router)
     app.include_router(page.router)
+    app.include_router(openapi_docs.router)
+    _document_errors_only_as_answered(app)
     return app
+
+
+def _document_errors_only_as_answered(app: FastAPI) -> None:
+    """/openapi.json without FastAPI's 422 entries: invalid input is answered 400 (rag/api/errors.py)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = without_unanswered_422(build())
+        return app.openapi_schema
+
+    app.openapi = openapi  # FastAPI's documented way to post-process its schema

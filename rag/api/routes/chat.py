@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from rag.answering import AnswerDone
 from rag.api.deps import AuditedCallerDep, PrincipalDep, RagDep, json_body_schema, read_json
+from rag.api.error_docs import KEYED, QUESTION, error_responses
 from rag.api.errors import ApiError, rag_error_response
 from rag.api.observability import record_answer
 from rag.api.openai_schemas import ChatCompletionRequest
@@ -35,7 +36,8 @@ from rag.types import Answer
 router = APIRouter(prefix="/v1")
 
 
-@router.get("/models")
+@router.get("/models", summary="The collections this key may ask (OpenAI model ids)",
+            responses=error_responses(*KEYED))
 async def list_models(rag: RagDep, principal: PrincipalDep) -> dict:
     names = await asyncio.to_thread(rag.readable_collections, principal)
     created = int(time.time())
@@ -43,7 +45,8 @@ async def list_models(rag: RagDep, principal: PrincipalDep) -> dict:
             "data": [{"id": n, "object": "model", "created": created, "owned_by": "labrag"} for n in names]}
 
 
-@router.post("/chat/completions", openapi_extra=json_body_schema(ChatCompletionRequest))
+@router.post("/chat/completions", summary="Answer a chat from a collection, with citations (OpenAI-compatible)",
+             openapi_extra=json_body_schema(ChatCompletionRequest), responses=error_responses(*QUESTION))
 async def chat_completions(request: Request, rag: RagDep, caller: AuditedCallerDep):
     body = await read_json(request, rag, ChatCompletionRequest)  # after the key: no body is read for a 401
     principal = caller.principal

@@ -10,6 +10,7 @@ import asyncio
 from fastapi import APIRouter
 
 from rag.api.deps import PrincipalDep, RagDep
+from rag.api.error_docs import KEYED, error_responses
 from rag.api.errors import ApiError
 from rag.citations import shown_source
 
@@ -18,7 +19,8 @@ router = APIRouter(prefix="/v1")
 _NOT_FOUND = "no such document"
 
 
-@router.get("/documents/{collection}/{chunk_id}")
+@router.get("/documents/{collection}/{chunk_id}", summary="The text a citation points at, for its reader only",
+            responses=error_responses(*KEYED, 404))
 async def get_document(collection: str, chunk_id: str, rag: RagDep, principal: PrincipalDep) -> dict:
     if not (chunk_id.isascii() and chunk_id.isdigit()) or len(chunk_id) > 20:  # "²".isdigit(), but int() refuses it
         raise ApiError(404, _NOT_FOUND)

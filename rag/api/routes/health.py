@@ -8,8 +8,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from rag.api.deps import CallerDep, RagDep
+from rag.api.error_docs import KEYED, error_responses
 from rag.api.errors import ApiError
-from rag.api.schemas import Health
+from rag.api.schemas import Health, Ready
 
 router = APIRouter()
 
@@ -21,7 +22,8 @@ async def healthz(rag: RagDep) -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={200: {"model": Ready, "description": "Ready to answer"},
+                                  503: {"model": Ready, "description": "Not ready: the generator is not answering"}})
 async def readyz(rag: RagDep) -> JSONResponse:
     generator = rag.__dict__.get("generator")
     admission = rag.admission.snapshot()
@@ -35,7 +37,7 @@ async def readyz(rag: RagDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
-@router.get("/metrics/engine")
+@router.get("/metrics/engine", responses=error_responses(*KEYED, 404))
 async def engine_metrics(rag: RagDep, caller: CallerDep) -> dict:
     """The generator's counters, the admission queue and the micro-batchers' batch sizes: to admin
     keys, and to every key where expose_engine_metrics is on (cache counters move with other users'

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 
 from rag.answering import AnswerDone
 from rag.api.deps import AuditedCallerDep, Caller, RagDep, json_body_schema, read_json
+from rag.api.error_docs import QUESTION, error_responses
 from rag.api.errors import rag_error_response
 from rag.api.observability import record_answer
 from rag.api.schemas import CitationOut, QueryRequest, QueryResponse
@@ -49,7 +50,9 @@ async def prepare_with_deadline(rag, deadline: float, **kwargs):
         raise DeadlineExceeded("retrieval took longer than the request deadline") from exc
 
 
-@router.post("/query", response_model=QueryResponse, openapi_extra=json_body_schema(QueryRequest))
+@router.post("/query", response_model=QueryResponse, openapi_extra=json_body_schema(QueryRequest),
+             summary="Answer a question from what the key may read, with citations (JSON or SSE)",
+             responses=error_responses(*QUESTION))
 async def query(rag: RagDep, caller: AuditedCallerDep, request: Request):
     body = await read_json(request, rag, QueryRequest)  # after the key: no body is read for a 401
     principal = caller.principal
