@@ -250,9 +250,15 @@ def _records(path: Path, real: Path, resolver: AclResolver, display: str = ""
             yield SourceProblem(file_key, real, f"cannot read file: {raw.strerror or raw}",
                                 covers=COVERS_RECORDS)
             return
+        line_key = f"{file_key}:{lineno}"
+        if isinstance(raw, _TooLong):
+            # Which stored record it was is unknown (its id was never read): those not seen are held.
+            yield SourceProblem(line_key, real, f"line {lineno}: {raw.size} bytes, over the limit for one "
+                                f"JSONL line ({DEFAULT_MAX_LINE_BYTES} bytes): skipped unread",
+                                covers=COVERS_RECORDS)
+            continue
         if not raw.strip():
             continue
-        line_key = f"{file_key}:{lineno}"
         try:
             record = _parse_record(raw, lineno)
         except _BadLine as e:
@@ -287,11 +293,40 @@ def _records(path: Path, real: Path, resolver: AclResolver, display: str = ""
         yield _with_acl(item, acl_or_error)
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes | OSError]]:
-    """(line number, line without its newline), read one line at a time; an OSError ends it."""
+# A JSONL line is read whole before its record can be looked at, so without a bound one huge line
+# (a dump with no newlines) would be held in memory. The default allows any record under the
+# default max_document_bytes even with every character JSON-escaped (6 bytes each).
+DEFAULT_MAX_LINE_BYTES = 6 * 100 * 1024 * 1024 + (1 << 20)
+
+
+@dataclass(frozen=True)
+class _TooLong:
+    """A JSONL line over the limit: skipped to its newline, never held."""
+
+    size: int  # bytes of the line (without its newline)
+
+
+def _lines(path: Path, max_bytes: int = DEFAULT_MAX_LINE_BYTES
+           ) -> Iterator[tuple[int, bytes | OSError | _TooLong]]:
+    """(line number, line without its newline), a line at a time, none held past `max_bytes`.
+
+    An OSError ends it; a longer line is read through in pieces and yielded as _TooLong.
+    """
     try:
         with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
+            lineno = 0
+            while True:
+                raw = f.readline(max_bytes + 1)
+                if not raw:
+                    return
+                lineno += 1
+                if len(raw) > max_bytes and not raw.endswith(b"\n"):
+                    size = len(raw)
+                    while raw and not raw.endswith(b"\n"):  # skip the rest of the line, 1 MiB at a time
+                        raw = f.readline(1 << 20)
+                        size += len(raw)
+                    yield lineno, _TooLong(size - raw.endswith(b"\n"))
+                    continue
                 yield lineno, raw[:-1] if raw.endswith(b"\n") else raw
     except OSError as e:
         yield 0, e
@@ -303,7 +338,7 @@ def _count_lines(path: Path) -> int:
     for _, raw in _lines(path):
         if isinstance(raw, OSError):
             return max(n, 1)  # the walk reports it as one problem
-        n += bool(raw.strip())
+        n += isinstance(raw, _TooLong) or bool(raw.strip())
     return n
 
 

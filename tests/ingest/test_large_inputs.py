@@ -330,3 +330,21 @@ def test_cli_reports_skipped_sources_with_size_and_cap(tmp_path: Path) -> None:
     assert summary["skipped"] == [{"source": str((corpus / "big.txt").resolve()), "bytes": 3000, "max_bytes": 2048}]
     bad = subprocess.run(cmd[:-1] + ["lots"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not a size" in bad.stderr
+
+
+def test_a_huge_jsonl_line_is_skipped_unread_and_the_other_records_go_on(tmp_path, monkeypatch):
+    import ingest.sources as sources
+    from ingest.sources import SourceItem, SourceProblem, walk_sources
+
+    monkeypatch.setattr(sources, "DEFAULT_MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr(sources._lines, "__defaults__", (4096,))
+    path = tmp_path / "dump.jsonl"
+    with path.open("w") as f:
+        f.write('{"id": "a", "text": "Record A is short.", "acl": ["*"]}\n')
+        f.write('{"id": "huge", "text": "' + "x" * 50_000 + '", "acl": ["*"]}\n')  # no newline for 50 KB
+        f.write('{"id": "b", "text": "Record B comes after it.", "acl": ["*"]}\n')
+    found = list(walk_sources([path]))
+    assert [i.key.rsplit("#", 1)[1] for i in found if isinstance(i, SourceItem)] == ["a", "b"]
+    (problem,) = [p for p in found if isinstance(p, SourceProblem)]
+    assert problem.key.endswith(":2") and "over the limit" in problem.reason and "skipped unread" in problem.reason
+    assert sources.count_sources([path]) == 3
