@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rag.relevance import relevance
 from rag.types import Citation, Hit
 
 SYSTEM_PROMPT = (
@@ -81,10 +82,18 @@ def build_prompt(question: str, sources: Sequence[Hit],
     return Prompt(messages, blocks, user_part)
 
 
-def citations_for(sources: Sequence[Hit]) -> list[Citation]:
+def citations_for(sources: Sequence[Hit], ranked: Sequence[Hit] = (), reranked: bool = False) -> list[Citation]:
+    """Numbered citations of `sources` (in their prompt order).
+
+    Args:
+        ranked: the retrieved hits best first, which gives each citation its rank (None if absent).
+        reranked: the scores are the cross-encoder's, so each citation gets a relevance (rag.relevance).
+    """
+    rank_of = {h.chunk_id: r for r, h in enumerate(ranked, 1)}
     return [
         Citation(number=n, document_key=h.document_key, source=h.source,
-                 chunk_index=h.chunk_index, score=h.score, text=h.text)
+                 chunk_index=h.chunk_index, score=h.score, text=h.text,
+                 relevance=relevance(h.score, reranked), rank=rank_of.get(h.chunk_id))
         for n, h in enumerate(sources, 1)
     ]
 

@@ -74,8 +74,11 @@ class Citation:
     document_key: str
     source: str
     chunk_index: int
-    score: float
+    score: float  # raw: the cross-encoder's logit, or the search's own score when not reranked
     text: str
+    # What people are shown (rag.relevance): a probability of relevance for reranked hits, else None.
+    relevance: float | None = None
+    rank: int | None = None  # 1 = the best of the retrieved hits (citations are in document order)
 
 
 @dataclass

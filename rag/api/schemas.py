@@ -38,8 +38,12 @@ class CitationOut(BaseModel):
     document: str
     source: str
     chunk: int
-    score: float
+    score: float = Field(description="raw: the cross-encoder's logit, or the search's score when not reranked")
     text: str
+    relevance: float | None = Field(default=None, description=(
+        "probability (0-1) that the source is relevant: sigmoid of the cross-encoder's logit; "
+        "null when not reranked, as search scores are not probabilities"))
+    rank: int | None = Field(default=None, description="1 = the best of the retrieved sources")
 
 
 class QueryResponse(BaseModel):

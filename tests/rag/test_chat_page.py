@@ -12,6 +12,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -197,6 +198,8 @@ def test_bob_streams_an_answer_with_his_citations_and_opens_one(run, service):
     assert bob.page.is_hidden("#error")
     citations = bob.citations()
     assert any("gpu-reservation" in c for c in citations), citations
+    # Each reranked citation shows the server's calibrated relevance, not the raw logit.
+    assert all(re.search(r"relevance [01]\.\d\d", c) for c in citations), citations
 
     # Clicking the citation fetches its text with the key and shows it in the panel.
     item = bob.page.locator("#citations li", has_text="gpu-reservation").first

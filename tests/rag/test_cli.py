@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,32 @@ def test_query_respects_groups(home, corpus):
     assert any("T-900" in c["text"] for c in tina["citations"])
     assert not any("T-900" in c["text"] for c in otto["citations"])
     assert set(tina["timings_ms"]) >= {"embed", "search", "rerank", "total"}
+
+
+def test_query_json_keeps_the_raw_score_and_people_see_relevance(home, corpus):
+    import math
+
+    from rag.query_client import loading_dominates
+
+    _run(["ingest", str(corpus)], home)
+    _run(["users", "add", "tina", "--group", "team"], home)
+    q = ["query", "Where does the team meet?", "--no-generate", "--k", "2", "--as", "tina"]
+    r = _run(q + ["--json"], home)
+    out = json.loads(r.stdout)
+    for c in out["citations"]:
+        assert c["relevance"] == pytest.approx(1 / (1 + math.exp(-c["score"])), abs=1e-4)
+        assert c["rank"] in (1, 2)
+    # The load hint follows the timings this run measured (a fresh process loads both models).
+    timings = {k: v / 1000 for k, v in out["timings_ms"].items()}
+    assert timings["load_embedder"] > 0 and timings["load_reranker"] > 0
+    assert ("hint:" in r.stderr) == loading_dominates(timings), r.stderr
+    if "hint:" in r.stderr:
+        assert "rag serve" in r.stderr and "--server" in r.stderr
+    human = [line for line in _run(q, home).stdout.splitlines() if line.startswith("[")]
+    assert human and all(re.search(r"\(chunk \d+, relevance [01]\.\d\d\)$", line) for line in human), human
+    unranked = _run(q + ["--no-rerank"], home).stdout.splitlines()
+    cited = [line for line in unranked if line.startswith("[")]
+    assert cited and all("rank " in line and "relevance" not in line for line in cited), unranked
 
 
 @pytest.mark.parametrize("args, message", [

@@ -109,13 +109,13 @@ class _Reply:
                 "url": self.url_for(hit.chunk_id), "title": f"[{c.number}] {_title(hit)}",
                 "start_index": start, "end_index": end, "number": c.number, "text": c.text,
                 "source": shown_source(c.source), "document": shown_source(c.source),
-                "chunk": c.chunk_index}})
+                "chunk": c.chunk_index, "relevance": c.relevance}})
         return out
 
     def citations(self, answer: Answer) -> list[dict]:
         return [{"number": c.number, "title": _title(h), "url": self.url_for(h.chunk_id), "text": c.text,
                  "source": shown_source(c.source), "document": shown_source(c.source), "chunk": c.chunk_index,
-                 "score": c.score}
+                 "score": c.score, "relevance": c.relevance}
                 for c, h in zip(answer.citations, _hits_by_citation(answer), strict=True)]
 
     def completion(self, done: AnswerDone) -> dict:

@@ -31,8 +31,8 @@ router = APIRouter(prefix="/v1")
 
 def citations_out(answer: Answer) -> list[CitationOut]:
     return [CitationOut(number=c.number, document=shown_source(c.source), source=shown_source(c.source),
-                        chunk=c.chunk_index,
-                        score=c.score, text=c.text) for c in answer.citations]
+                        chunk=c.chunk_index, score=c.score, text=c.text, relevance=c.relevance,
+                        rank=c.rank) for c in answer.citations]
 
 
 def timings_ms(answer: Answer, caller: Caller) -> dict[str, float] | None:

@@ -118,6 +118,13 @@ function addCitations(annotations) {
       src.textContent = String(c.source);
       li.append(src);
     }
+    // The server's calibrated 0-1 relevance (null when it has none: then no number is shown).
+    if (typeof c.relevance === "number" && Number.isFinite(c.relevance)) {
+      const rel = document.createElement("span");
+      rel.className = "relevance muted";
+      rel.textContent = `relevance ${c.relevance.toFixed(2)}`;
+      li.append(rel);
+    }
     ui.citations.append(li);
   }
 }
