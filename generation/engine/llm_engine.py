@@ -318,7 +318,10 @@ def load_tokenizer(model_dir: Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
+    from rag.quiet import quiet_libraries
+
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        with quiet_libraries():  # a notebook's own transformers level stays as it was, and quiet here
+            return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc

@@ -28,7 +28,7 @@ def _ask(rag, question, user):
 
 
 def _sources(answer) -> list[str]:
-    return [c.source.split("/lab-docs/", 1)[1] for c in answer.citations]
+    return [c.source.split("lab-docs/", 1)[1] for c in answer.citations]
 
 
 def test_alice_gets_the_freezer_alarm_threshold_from_the_inventory(demo_rag):

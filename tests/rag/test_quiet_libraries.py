@@ -110,9 +110,6 @@ def test_api_shows_no_third_party_bars(piped_run):
     assert "loading models" not in ours and not OUR_BAR.search(ours)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "generation/engine/llm_engine.py load_tokenizer() loads the engine's tokenizer outside quiet_libraries "
-    "(rag.generators.local builds LLMEngine directly), so a user's INFO level shows its config lines"))
 def test_api_logs_nothing_through_transformers_at_the_users_info_level(piped_run):
     assert piped_run.returncode == 0, piped_run.stderr[-3000:]
     assert "[transformers]" not in _api_output(piped_run), _api_output(piped_run)[-3000:]
