@@ -26,6 +26,7 @@ from rag.api.app import create_app
 from rag.api.error_docs import ErrorBody
 from rag.api.openapi_docs import CSP
 from rag.pipeline import Rag
+from tests.rag.headless_chromium import chromium
 from tests.rag.live_server import serving
 
 try:
@@ -197,16 +198,8 @@ def test_docs_page_and_its_files_are_served_locally_under_a_strict_csp(served):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not CHROMIUM.exists():
-        pytest.skip(f"no {CHROMIUM}: install Debian's chromium (apt-get install -y chromium) for the browser test")
-    if sync_playwright is None:
-        pytest.skip("the playwright package (the dev extra) is not installed")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium() as browser:
+        yield browser
 
 
 class OfflinePage:

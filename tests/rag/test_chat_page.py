@@ -23,6 +23,7 @@ import pytest
 from rag.api.app import create_app
 from rag.api.routes.page import STATIC_DIR
 from rag.settings import load_settings
+from tests.rag.headless_chromium import chromium
 from tests.rag.serve_fixture import Service, prepare_home, running_service
 
 try:
@@ -127,14 +128,8 @@ def service(tmp_path_factory, model_cache) -> Iterator[Service]:
 
 @pytest.fixture(scope="module")
 def browser(service):
-    if sync_playwright is None:
-        pytest.skip("the playwright package (the dev extra) is not installed")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium() as browser:
+        yield browser
 
 
 class PageRun:
