@@ -173,7 +173,7 @@ class IngestPipeline:
         self.guard = guard or DeletionGuard()
 
     def run(self, paths: Sequence[Path], progress: ProgressFn | None = None,
-            shard: tuple[int, int] | None = None) -> IngestReport:
+            shard: tuple[int, int] | None = None, collection_documents: int | None = None) -> IngestReport:
         """Ingest every supported source under `paths`.
 
         Args:
@@ -182,6 +182,9 @@ class IngestPipeline:
             shard: (index, count): handle only the documents whose key hashes to this shard
                 (`shard_of`), and delete only vanished documents of this shard, so `count`
                 jobs over the same paths split the work without overlap.
+            collection_documents: for a shard whose store holds only its part (an embedded shard),
+                the documents of the whole collection, so that the mass-delete guard's fraction is of
+                a fair share of them rather than of a few documents that happened to hash here.
 
         Raises:
             ConfigError: a path does not exist (nothing is changed then).
@@ -209,7 +212,12 @@ class IngestPipeline:
         def mine(key: str) -> bool:
             return shard is None or shard_of(key, shard[1]) == shard[0]
 
-        num_mine = sum(1 for key in stored if mine(key))  # what the guard's fraction is of
+        # What the guard's fraction is of: the collection's documents, or a shard's fair share of
+        # them (its total / shard count). Not the documents that hashed to this shard: on a small
+        # collection that count is noisy (2 of a shard's 3 documents may be 2 of 15), and a run
+        # over a vanished subtree still deletes far more than its share in every shard.
+        num_mine = len(stored) if shard is None else max(
+            sum(1 for key in stored if mine(key)), -(-(collection_documents or len(stored)) // shard[1]))
         holds = Holds()  # problems that speak for documents the walk could not see
         staging = ChunkStaging(self.staging_path, _staging_scope(self.index))
 

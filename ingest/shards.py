@@ -144,13 +144,16 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                     lambda key: shard_of(key, num_shards) == shard and is_under(key, roots), progress)
         record.state = INGESTING
         write_record(directory, record)
+        # The guard's fraction is of the whole collection's fair share per shard (this store holds only its part).
+        live = rag.catalog.find_collection(name)
+        live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
         chunker = Chunker(embedder.tokenizer, cfg)
         guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
         report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
                                 batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,
                                 staging_path=directory / "staging.sqlite").run(
-            roots, progress, shard=(shard, num_shards))
+            roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
         write_record(directory, record)
         stats = store.stats()
