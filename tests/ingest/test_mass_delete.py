@@ -232,3 +232,25 @@ def test_embedded_shards_and_merge_keep_records_another_shard_could_not_read(
     states = rag.index().document_states()
     key = f"{notes.resolve()}#{rid}"
     assert len(states) == 12 and states[key].acl == frozenset()
+
+
+def test_a_shard_measures_the_fraction_against_its_share_of_the_collection(tmp_path, rag_factory) -> None:  # noqa: F811
+    """2 deletions in a shard that holds 3 of 15 documents are 2 of its fair share of 5: allowed (was refused)."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    (root / ".rag-acl.toml").write_text('allow = ["group:lab"]\n')
+    num_shards, here, elsewhere, i = 3, [], [], 0
+    while len(here) < 3 or len(elsewhere) < 12:  # names chosen so shard 0 holds exactly 3 of 15
+        f = root / f"note{i}.md"
+        i += 1
+        group = here if shard_of(str(f.resolve()), num_shards) == 0 else elsewhere
+        if len(group) < (3 if group is here else 12):
+            f.write_text(f"# Note {i}\n\nFreezer {i} holds rack {i * 7} of the lab's samples.\n")
+            group.append(f)
+    rag = rag_factory(tmp_path / "home", rerank=False)
+    assert rag.ingest([root]).ok
+    for f in here[:2]:
+        f.unlink()
+    run = ingest_shard(rag, [root], None, 0, num_shards)
+    assert run.report.ok and run.report.deleted == 2 and run.report.deletion_refused is None
+    rag.close()
