@@ -15,9 +15,9 @@ from generation.engine.cache_namespaces import CacheNamespaces, NamespaceSpec
 from generation.engine.detokenizer import PROMPT_CONTEXT_TOKENS
 from generation.engine.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from generation.engine.model_runner import ModelRunner
+from generation.engine.output_state import OutputState
 from generation.engine.scheduler import Scheduler, SchedulerConfig
 from generation.engine.seq_state import SeqState, SeqStatus
-from generation.engine.sequence import Sequence
 from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
 from rag.errors import GenerationError, ModelError
@@ -53,13 +53,13 @@ class RequestUpdate:
 
 
 class Request:
-    """One request inside the engine: SeqState for the scheduler, Sequence for stop checks and text."""
+    """One request inside the engine: SeqState for the scheduler, OutputState for stop checks and text."""
 
-    __slots__ = ("state", "sequence", "incremental_text")
+    __slots__ = ("state", "output_state", "incremental_text")
 
-    def __init__(self, state: SeqState, sequence: Sequence, incremental_text: bool) -> None:
+    def __init__(self, state: SeqState, output_state: OutputState, incremental_text: bool) -> None:
         self.state = state
-        self.sequence = sequence
+        self.output_state = output_state
         self.incremental_text = incremental_text
 
     @property
@@ -168,15 +168,15 @@ class LLMEngine:
         # Without incremental text and stop strings no detokenizer runs per token (it costs two
         # tokenizer calls per token); the text is decoded once when the request finishes.
         detokenize = incremental_text or bool(params.stop)
-        sequence = Sequence(
+        output_state = OutputState(
             prompt_token_ids=ids,
             params=params,
             tokenizer=self.tokenizer if detokenize else None,
             eos_token_ids=self.eos_token_ids,
-            max_new_tokens=max_new,
+            max_tokens=max_new,
             device=self.model_runner.device,
         )
-        return Request(state, sequence, incremental_text)
+        return Request(state, output_state, incremental_text)
 
     def add(self, request: Request) -> int:
         """Queue a request built by make_request; returns its id."""
@@ -225,7 +225,7 @@ class LLMEngine:
         kept: list[list[int]] = [[] for _ in requests]
         live = list(range(len(requests)))
         steps = self.model_runner.execute(
-            batch, [r.sequence.params for r in requests], [r.sequence.generator for r in requests]
+            batch, [r.output_state.params for r in requests], [r.output_state.generator for r in requests]
         )
         on_token = self.metrics.on_token
         for tokens in steps:
@@ -233,11 +233,11 @@ class LLMEngine:
             still: list[int] = []
             for row in live:
                 request, token = requests[row], tokens[row]
-                sequence = request.sequence
-                sequence.append(token)
+                output_state = request.output_state
+                output_state.append(token)
                 kept[row].append(token)
                 on_token(request.request_id, now)
-                if not sequence.is_finished:
+                if not output_state.is_finished:
                     still.append(row)
             live = still
             if not live:
@@ -245,39 +245,41 @@ class LLMEngine:
         sampled: dict[int, list[int]] = {}
         for request, tokens in zip(requests, kept, strict=True):
             # The scheduler frees a sequence whose stop logic (EOS, stop strings) finished it.
-            request.state.finished = request.sequence.is_finished
+            request.state.finished = request.output_state.is_finished
             sampled[request.request_id] = tokens
         self.scheduler.postprocess(batch, sampled)
         return [self._update(request, tokens) for request, tokens in zip(requests, kept, strict=True)]
 
     def _update(self, request: Request, tokens: list[int]) -> RequestUpdate:
-        seq = request.sequence
+        output_state = request.output_state
         finished = request.state.status is SeqStatus.FINISHED
         # Both cap the output at min(max_tokens, max_model_len - prompt), so they agree on "length".
-        assert finished == seq.is_finished, f"scheduler and stop logic disagree on request {request.request_id}"
-        delta = seq.pop_stream_delta() if request.incremental_text else ""
+        assert finished == output_state.is_finished, (
+            f"scheduler and stop logic disagree on request {request.request_id}"
+        )
+        delta = output_state.pop_stream_delta() if request.incremental_text else ""
         if not finished:
             return RequestUpdate(request.request_id, tokens, delta, False)
         del self._requests[request.request_id]
-        if seq.detokenizer is None and self.tokenizer is not None:
-            seq.text = self._decode_output(seq)
+        if output_state.detokenizer is None and self.tokenizer is not None:
+            output_state.text = self._decode_output(output_state)
         return RequestUpdate(
             request.request_id,
             tokens,
             delta,
             True,
-            seq.finish_reason,
-            seq.to_output(),
+            output_state.finish_reason,
+            output_state.to_output(),
             self.metrics.on_finish(request.request_id),
         )
 
-    def _decode_output(self, seq: Sequence) -> str:
+    def _decode_output(self, output_state: OutputState) -> str:
         """The text the incremental detokenizer would have produced, decoded in one call."""
-        ids = seq.output_token_ids
-        if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_token_ids:
+        ids = output_state.output_token_ids
+        if output_state.finish_reason == "stop" and ids and ids[-1] in output_state.stop_token_ids:
             ids = ids[:-1]  # a stop token counts as generated, but its text is not part of the answer
         # The same prompt context as the incremental detokenizer, so a leading space survives.
-        context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+        context = output_state.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
         kwargs = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
         assert self.tokenizer is not None
         return self.tokenizer.decode(context + ids, **kwargs)[len(self.tokenizer.decode(context, **kwargs)) :]

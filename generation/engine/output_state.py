@@ -1,4 +1,4 @@
-"""Sequence: one request's state (tokens, text, stop checks, random generator) while it runs."""
+"""OutputState: one request's output while it is generated (tokens, text, stop checks, seeded generator)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
 
 
-class Sequence:
-    """A request being generated: appends tokens, decides when it is finished and why."""
+class OutputState:
+    """The output side of a request being generated: appends tokens, decides when it is finished and why.
+
+    The scheduler's side of the same request (token ids, KV blocks, progress) is its `Sequence`;
+    this holds what only the caller needs: the text so far, what of it has been streamed, the stop
+    conditions, and the seeded random generator of its sampling.
+    """
 
     def __init__(
         self,
@@ -20,7 +25,7 @@ class Sequence:
         params: SamplingParams,
         tokenizer: Any | None,
         eos_token_ids: set[int],
-        max_new_tokens: int,
+        max_tokens: int,
         device: torch.device,
     ) -> None:
         self.prompt_token_ids = prompt_token_ids
@@ -28,8 +33,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
-        # max_tokens, capped so that prompt + output fits the model's context.
-        self.max_new_tokens = max_new_tokens
+        # params.max_tokens capped so that prompt + output fits the model's context: the same
+        # limit as the request's Sequence.max_tokens, so both finish it at the same token.
+        self.max_tokens = max_tokens
         stop_ids = set(params.stop_token_ids)
         self.stop_token_ids = stop_ids if params.ignore_eos else stop_ids | eos_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
@@ -45,7 +51,7 @@ class Sequence:
         return self.finish_reason is not None
 
     def append(self, token_id: int) -> None:
-        """Record a sampled token and finish the sequence if it hits a stop condition."""
+        """Record a sampled token and finish the output if it hits a stop condition."""
         assert not self.is_finished
         self.output_token_ids.append(token_id)
         if token_id in self.stop_token_ids:
@@ -56,7 +62,7 @@ class Sequence:
             self._add_text(self.detokenizer.add(token_id))
             if self.is_finished:
                 return
-        if len(self.output_token_ids) >= self.max_new_tokens:
+        if len(self.output_token_ids) >= self.max_tokens:
             self._finish("length")
 
     def _add_text(self, delta: str) -> None:
