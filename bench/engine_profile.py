@@ -16,7 +16,7 @@ from generation import LLM, SamplingParams
 from generation.engine.cuda_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
-from generation.engine.seq_state import SeqState
+from generation.engine.sequence import Sequence
 from generation.layers.kernels import set_fused_kernels
 
 
@@ -59,12 +59,12 @@ def kernel_breakdown(step, step_ms: float, floor_ms: float, reps: int = 10) -> N
         print(f"    {sum(times) / reps:8.1f} us  x{len(times) / reps:<4.0f} {name[:90]}")
 
 
-def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[SeqState]:
+def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[Sequence]:
     rng = random.Random(seed)
     bm = llm.engine.block_manager
     seqs = []
     for _ in range(n):
-        seq = SeqState([rng.randrange(10, 100000) for _ in range(context)], max_tokens=1)
+        seq = Sequence([rng.randrange(10, 100000) for _ in range(context)], max_tokens=1)
         bm.allocate(seq)
         seqs.append(seq)
     return seqs

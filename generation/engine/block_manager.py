@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from generation.engine.prefix_cache import PrefixCache, hash_block
-from generation.engine.seq_state import SeqState
+from generation.engine.sequence import Sequence
 
 
 class BlockManager:
@@ -37,7 +37,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._cache: PrefixCache | None = PrefixCache() if enable_prefix_cache else None
         # Sequences holding blocks, and how many of their leading blocks are published (or were hits).
-        self._seqs: dict[int, SeqState] = {}
+        self._seqs: dict[int, Sequence] = {}
         self._num_published: dict[int, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -68,22 +68,22 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def match_prefix(self, seq: SeqState) -> int:
+    def match_prefix(self, seq: Sequence) -> int:
         """Tokens that `allocate(seq)` would take from the cache right now (no side effects)."""
         return len(self.match(seq)) * self.block_size
 
-    def match(self, seq: SeqState) -> list[int]:
+    def match(self, seq: Sequence) -> list[int]:
         """Physical blocks of the longest cached run of seq's leading full blocks (no side effects).
 
         Valid until the pool changes; pass it to can_allocate and allocate to look up only once.
         """
         return self._match(seq)
 
-    def can_allocate(self, seq: SeqState, hits: list[int] | None = None) -> bool:
+    def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
         hits = self._match(seq) if hits is None else hits
         return self._blocks_to_take(seq, hits) <= self.num_free_blocks
 
-    def allocate(self, seq: SeqState, hits: list[int] | None = None) -> None:
+    def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
         """Give seq blocks for all its current tokens, reusing the longest cached run of leading blocks.
 
         Sets `seq.num_cached_tokens` and `seq.num_computed_tokens` to the tokens served from the cache.
@@ -104,11 +104,11 @@ class BlockManager:
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_cached_tokens
 
-    def blocks_needed(self, seq: SeqState, num_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table holds the first num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def ensure_capacity(self, seq: SeqState, num_tokens: int) -> bool:
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's table to hold num_tokens tokens; False (and no change) if the pool is short."""
         assert seq.seq_id in self._seqs, f"{seq} holds no blocks: allocate it first"
         needed = self.blocks_needed(seq, num_tokens)
@@ -119,16 +119,16 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
-    def can_append(self, seq: SeqState) -> bool:
+    def can_append(self, seq: Sequence) -> bool:
         """Whether seq can get blocks for all its current tokens (the one a decode step writes)."""
         return self.blocks_needed(seq, seq.num_tokens) <= self.num_free_blocks
 
-    def may_append(self, seq: SeqState) -> None:
+    def may_append(self, seq: Sequence) -> None:
         """Give seq blocks for all its current tokens; call after `can_append` said yes."""
         grown = self.ensure_capacity(seq, seq.num_tokens)
         assert grown, f"no free block for {seq}: check can_append first"
 
-    def register_full_blocks(self, seq: SeqState) -> None:
+    def register_full_blocks(self, seq: Sequence) -> None:
         """Publish seq's blocks that became full of computed KV, so later requests can hit them."""
         if self._cache is None:
             return
@@ -145,7 +145,7 @@ class BlockManager:
             )
         self._num_published[seq.seq_id] = max(start, end)
 
-    def deallocate(self, seq: SeqState) -> None:
+    def deallocate(self, seq: Sequence) -> None:
         """Release seq's blocks; its KV is gone from its point of view (num_computed_tokens = 0)."""
         owner = self._seqs.pop(seq.seq_id, None)
         assert owner is seq, f"{seq} holds no blocks"
@@ -211,7 +211,7 @@ class BlockManager:
             for i in range(self._num_published[seq.seq_id], len(seq.block_table)):
                 _check(not cache.is_cached(seq.block_table[i]), f"{seq} block {i} is cached before it is computed")
 
-    def _match(self, seq: SeqState) -> list[int]:
+    def _match(self, seq: Sequence) -> list[int]:
         """Physical blocks of the longest cached run of seq's leading full blocks."""
         if self._cache is None:
             return []
@@ -231,13 +231,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def _blocks_to_take(self, seq: SeqState, hits: list[int]) -> int:
+    def _blocks_to_take(self, seq: Sequence, hits: list[int]) -> int:
         # Hits that sit in the evictable pool are counted in num_free_blocks, so they use up free
         # capacity just like new blocks; hits already referenced cost nothing.
         evictable_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
         return seq.num_blocks(self.block_size) - len(hits) + evictable_hits
 
-    def _block_hash(self, seq: SeqState, i: int) -> bytes:
+    def _block_hash(self, seq: Sequence, i: int) -> bytes:
         hashes = seq.block_hashes
         while len(hashes) <= i:
             j = len(hashes)

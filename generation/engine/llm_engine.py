@@ -17,7 +17,7 @@ from generation.engine.metrics import EngineMetrics, MetricsSnapshot, RequestMet
 from generation.engine.model_runner import ModelRunner
 from generation.engine.output_state import OutputState
 from generation.engine.scheduler import Scheduler, SchedulerConfig
-from generation.engine.seq_state import SeqState, SeqStatus
+from generation.engine.sequence import Sequence, SequenceStatus
 from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
 from rag.errors import GenerationError, ModelError
@@ -53,18 +53,18 @@ class RequestUpdate:
 
 
 class Request:
-    """One request inside the engine: SeqState for the scheduler, OutputState for stop checks and text."""
+    """One request inside the engine: its Sequence for the scheduler, its OutputState for stop checks and text."""
 
-    __slots__ = ("state", "output_state", "incremental_text")
+    __slots__ = ("seq", "output_state", "incremental_text")
 
-    def __init__(self, state: SeqState, output_state: OutputState, incremental_text: bool) -> None:
-        self.state = state
+    def __init__(self, seq: Sequence, output_state: OutputState, incremental_text: bool) -> None:
+        self.seq = seq
         self.output_state = output_state
         self.incremental_text = incremental_text
 
     @property
     def request_id(self) -> int:
-        return self.state.seq_id
+        return self.seq.seq_id
 
 
 class LLMEngine:
@@ -164,7 +164,7 @@ class LLMEngine:
         except ValueError as exc:
             raise GenerationError(f"bad prefix-cache namespace for a {len(ids)}-token prompt: {exc}") from exc
         max_new = min(params.max_tokens, self.max_model_len - len(ids))
-        state = SeqState(ids, max_tokens=max_new, namespace=namespaces)
+        seq = Sequence(ids, max_tokens=max_new, namespace=namespaces)
         # Without incremental text and stop strings no detokenizer runs per token (it costs two
         # tokenizer calls per token); the text is decoded once when the request finishes.
         detokenize = incremental_text or bool(params.stop)
@@ -176,13 +176,13 @@ class LLMEngine:
             max_tokens=max_new,
             device=self.model_runner.device,
         )
-        return Request(state, output_state, incremental_text)
+        return Request(seq, output_state, incremental_text)
 
     def add(self, request: Request) -> int:
         """Queue a request built by make_request; returns its id."""
-        self.scheduler.add(request.state)
+        self.scheduler.add(request.seq)
         self._requests[request.request_id] = request
-        self.metrics.on_arrival(request.request_id, request.state.arrival_time)
+        self.metrics.on_arrival(request.request_id, request.seq.arrival_time)
         return request.request_id
 
     def abort(self, request_id: int) -> bool:
@@ -245,14 +245,14 @@ class LLMEngine:
         sampled: dict[int, list[int]] = {}
         for request, tokens in zip(requests, kept, strict=True):
             # The scheduler frees a sequence whose stop logic (EOS, stop strings) finished it.
-            request.state.finished = request.output_state.is_finished
+            request.seq.finished = request.output_state.is_finished
             sampled[request.request_id] = tokens
         self.scheduler.postprocess(batch, sampled)
         return [self._update(request, tokens) for request, tokens in zip(requests, kept, strict=True)]
 
     def _update(self, request: Request, tokens: list[int]) -> RequestUpdate:
         output_state = request.output_state
-        finished = request.state.status is SeqStatus.FINISHED
+        finished = request.seq.status is SequenceStatus.FINISHED
         # Both cap the output at min(max_tokens, max_model_len - prompt), so they agree on "length".
         assert finished == output_state.is_finished, (
             f"scheduler and stop logic disagree on request {request.request_id}"

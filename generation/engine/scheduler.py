@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from generation.engine.block_manager import BlockManager
-from generation.engine.seq_state import SeqState, SeqStatus
+from generation.engine.sequence import Sequence, SequenceStatus
 from rag.errors import GenerationError
 
 
@@ -62,7 +62,7 @@ class SchedulerConfig:
 class ScheduledEntry:
     """One sequence's share of a step: tokens start_pos..start_pos+num_new_tokens-1 are fed."""
 
-    seq: SeqState
+    seq: Sequence
     num_new_tokens: int
     start_pos: int
     # True when the entry feeds the sequence's last pending token: the model samples one token for it.
@@ -87,7 +87,7 @@ class ScheduledBatch:
 
     entries: list[ScheduledEntry]
     # Sequences preempted while building this step; they wait for recompute.
-    preempted: list[SeqState] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     num_steps: int = 1
 
     @property
@@ -134,10 +134,10 @@ class Scheduler:
             )
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[SeqState] = deque()
+        self.waiting: deque[Sequence] = deque()
         # Sorted by arrival, so the last one is the first to preempt.
-        self.running: list[SeqState] = []
-        self._seqs: dict[int, SeqState] = {}
+        self.running: list[Sequence] = []
+        self._seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         # Most sequences in one scheduled batch since start: shows that concurrent requests were
         # batched together rather than served one after another.
@@ -154,7 +154,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: SeqState) -> None:
+    def add(self, seq: Sequence) -> None:
         """Queue a new request.
 
         Raises:
@@ -172,7 +172,7 @@ class Scheduler:
                 f"the prompt has {seq.num_tokens} tokens but the whole KV cache holds {pool_tokens}: "
                 "shorten the prompt or give the engine more KV cache memory"
             )
-        if seq.seq_id in self._seqs or seq.status is not SeqStatus.WAITING or seq.block_table:
+        if seq.seq_id in self._seqs or seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"{seq} was already added to a scheduler")
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
@@ -182,12 +182,12 @@ class Scheduler:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
-        if seq.status is SeqStatus.RUNNING:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
         else:
             self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+        seq.status = SequenceStatus.FINISHED
         return True
 
     def schedule(self) -> ScheduledBatch:
@@ -199,11 +199,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         entries: list[ScheduledEntry] = []
         scheduled: set[int] = set()
-        preempted: list[SeqState] = []
+        preempted: list[Sequence] = []
 
         # Decodes first: they hold KV already and each costs one token, so they never starve.
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.num_pending_tokens != 1:
+            if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens != 1:
                 continue
             if not self._reserve_next_block(seq, scheduled, preempted):
                 continue  # seq preempted itself
@@ -228,7 +228,7 @@ class Scheduler:
         self.max_num_running = max(self.max_num_running, len(entries))
         return ScheduledBatch(entries, preempted, num_steps)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[SeqState]:
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Sequence]:
         """Account for a batch the model ran; returns the sequences that finished and were freed.
 
         Args:
@@ -241,11 +241,11 @@ class Scheduler:
         Raises:
             ValueError: a sampling entry has no token in `sampled`, or more than the batch's steps.
         """
-        finished: list[SeqState] = []
+        finished: list[Sequence] = []
         max_model_len = self.config.max_model_len
         for entry in batch.entries:
             seq = entry.seq
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and postprocess
             assert seq.num_computed_tokens == entry.start_pos, f"{seq} moved since it was scheduled"
             seq.num_computed_tokens += entry.num_new_tokens
@@ -265,7 +265,7 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def final_length(self, seq: SeqState) -> int:
+    def final_length(self, seq: Sequence) -> int:
         """Tokens seq holds when it finishes unless a stop comes first (max_tokens, max_model_len)."""
         return min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_model_len)
 
@@ -298,7 +298,7 @@ class Scheduler:
             assert grown
         return num_steps
 
-    def _reserve_next_block(self, seq: SeqState, scheduled: set[int], preempted: list[SeqState]) -> bool:
+    def _reserve_next_block(self, seq: Sequence, scheduled: set[int], preempted: list[Sequence]) -> bool:
         """Make room for seq's pending token, preempting newer sequences; False if seq itself went."""
         manager = self.block_manager
         if len(seq.block_table) * self.config.block_size >= seq.num_tokens:
@@ -314,7 +314,7 @@ class Scheduler:
         manager.may_append(seq)
         return True
 
-    def _prefill_entry(self, seq: SeqState, budget: int) -> ScheduledEntry:
+    def _prefill_entry(self, seq: Sequence, budget: int) -> ScheduledEntry:
         pending = seq.num_pending_tokens
         num_new = min(pending, budget)
         return ScheduledEntry(seq, num_new, seq.num_computed_tokens, samples=num_new == pending)
@@ -333,12 +333,12 @@ class Scheduler:
             manager.allocate(seq, hits)
             assert seq.num_pending_tokens == pending
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
+            seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival_order)
             entries.append(self._prefill_entry(seq, budget))
             budget -= entries[-1].num_new_tokens
 
-    def _check_fits_pool(self, seq: SeqState) -> None:
+    def _check_fits_pool(self, seq: Sequence) -> None:
         needed = seq.num_blocks(self.config.block_size)
         if needed > self.block_manager.num_blocks:
             raise GenerationError(
@@ -347,22 +347,22 @@ class Scheduler:
                 "lower max_model_len / max_tokens"
             )
 
-    def _preempt(self, seq: SeqState) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: the KV is dropped and prompt + output so far are fed again later.
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
-        seq.status = SeqStatus.WAITING
+        seq.status = SequenceStatus.WAITING
         # Front of the queue: it arrived before everything still waiting.
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _finish(self, seq: SeqState) -> None:
+    def _finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
-        seq.status = SeqStatus.FINISHED
+        seq.status = SequenceStatus.FINISHED
         seq.finished = True
         del self._seqs[seq.seq_id]
 
 
-def _arrival_order(seq: SeqState) -> tuple[float, int]:
+def _arrival_order(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from generation.engine.block_manager import BlockManager
-from generation.engine.seq_state import SeqState
+from generation.engine.sequence import Sequence
 
 BS = 4
 
@@ -19,8 +19,8 @@ def test_rejects_empty_pools_and_blocks() -> None:
         BlockManager(8, 0)
 
 
-def test_seq_state_block_helpers() -> None:
-    seq = SeqState(range(10), max_tokens=4)
+def test_sequence_block_helpers() -> None:
+    seq = Sequence(range(10), max_tokens=4)
     assert (seq.num_tokens, seq.num_blocks(BS), seq.last_block_num_tokens(BS)) == (10, 3, 2)
     assert seq.block_tokens(1, BS) == [4, 5, 6, 7] and seq.block_tokens(2, BS) == [8, 9]
     seq.append_token(42)
@@ -28,15 +28,15 @@ def test_seq_state_block_helpers() -> None:
     seq.block_table = [5, 2, 9]
     assert seq.slot_mapping(3, 6, BS) == [23, 8, 9]
     with pytest.raises(ValueError, match="at least one token"):
-        SeqState([], max_tokens=4)
+        Sequence([], max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens"):
-        SeqState([1], max_tokens=0)
+        Sequence([1], max_tokens=0)
 
 
 def test_allocate_and_deallocate_account_for_every_block() -> None:
     bm = BlockManager(8, BS, enable_prefix_cache=False)
-    a = SeqState(range(9), max_tokens=4)
-    b = SeqState(range(4), max_tokens=4)
+    a = Sequence(range(9), max_tokens=4)
+    b = Sequence(range(4), max_tokens=4)
     bm.allocate(a)
     bm.allocate(b)
     assert len(a.block_table) == 3 and len(b.block_table) == 1
@@ -58,16 +58,16 @@ def test_allocate_and_deallocate_account_for_every_block() -> None:
 
 def test_can_allocate_is_exact_at_the_pool_edge() -> None:
     bm = BlockManager(3, BS)
-    fits = SeqState(range(12), max_tokens=4)
-    too_big = SeqState(range(13), max_tokens=4)
+    fits = Sequence(range(12), max_tokens=4)
+    too_big = Sequence(range(13), max_tokens=4)
     assert bm.can_allocate(fits) and not bm.can_allocate(too_big)
     bm.allocate(fits)
-    assert not bm.can_allocate(SeqState([1], max_tokens=4))
+    assert not bm.can_allocate(Sequence([1], max_tokens=4))
 
 
 def test_growth_takes_a_block_only_at_block_boundaries() -> None:
     bm = BlockManager(3, BS)
-    seq = SeqState(range(3), max_tokens=16)
+    seq = Sequence(range(3), max_tokens=16)
     bm.allocate(seq)
     grown_at = []
     for token in range(9):
@@ -88,7 +88,7 @@ def test_growth_takes_a_block_only_at_block_boundaries() -> None:
 
 def test_ensure_capacity_reserves_ahead_for_a_chunk() -> None:
     bm = BlockManager(8, BS)
-    seq = SeqState([1], max_tokens=64)
+    seq = Sequence([1], max_tokens=64)
     bm.allocate(seq)
     assert bm.blocks_needed(seq, 17) == 4
     assert bm.ensure_capacity(seq, 17)
@@ -101,7 +101,7 @@ def test_ensure_capacity_reserves_ahead_for_a_chunk() -> None:
 def test_check_invariants_catches_corruption() -> None:
     # The random test below leans on check_invariants; make sure it can fail.
     bm = BlockManager(4, BS)
-    seq = SeqState(range(6), max_tokens=4)
+    seq = Sequence(range(6), max_tokens=4)
     bm.allocate(seq)
     seq.block_table.append(seq.block_table[0])
     with pytest.raises(AssertionError):
@@ -113,7 +113,7 @@ def test_check_invariants_catches_corruption() -> None:
         bm.check_invariants()
 
 
-def _fingerprints(seq: SeqState) -> list[int]:
+def _fingerprints(seq: Sequence) -> list[int]:
     """What the KV at each position depends on: the namespace and every token up to it."""
     prints, h = [], hash(("namespace", seq.namespace))
     for token in seq.token_ids:
@@ -129,13 +129,13 @@ def test_random_operations_keep_refcounts_and_kv_content_right(enable_prefix_cac
     # A fake KV cache: slot -> fingerprint of the context the token at that slot was computed in.
     kv: dict[int, int] = {}
     stems = [[rng.randrange(20) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
-    live: list[SeqState] = []
+    live: list[Sequence] = []
     evictions = 0
     for _ in range(3000):
         op = rng.random()
         if op < 0.3:
             prompt = [*rng.choice(stems), *(rng.randrange(20) for _ in range(rng.randrange(0, 6)))]
-            seq = SeqState(prompt[:40], max_tokens=8, namespace=rng.choice([None, "a", "b"]))
+            seq = Sequence(prompt[:40], max_tokens=8, namespace=rng.choice([None, "a", "b"]))
             if bm.can_allocate(seq):
                 cached_before = bm.num_cached_blocks
                 bm.allocate(seq)

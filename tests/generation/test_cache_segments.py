@@ -21,7 +21,7 @@ from generation.engine.block_manager import BlockManager
 from generation.engine.cache_namespaces import CacheNamespaces
 from generation.engine.llm_engine import LLMEngine
 from generation.engine.prefix_cache import PrefixCache, hash_block
-from generation.engine.seq_state import SeqState
+from generation.engine.sequence import Sequence
 from rag.errors import GenerationError
 
 BS = 4
@@ -61,7 +61,7 @@ def test_regions_normalize_to_the_namespace_of_each_token() -> None:
     merged = CacheNamespaces.of([(0, "a"), (2, "a"), (3, "b"), (4, "b")], 8)
     assert merged.spec == ((0, "a"), (3, "b"))
     assert CacheNamespaces.of(None, 3).spec is None
-    assert SeqState(range(8), max_tokens=2, namespace=[(0, "a"), (2, "a")]).namespace == "a"
+    assert Sequence(range(8), max_tokens=2, namespace=[(0, "a"), (2, "a")]).namespace == "a"
 
 
 def _reference_hash(namespace: str | None, parent: bytes | None, tokens: list[int]) -> bytes:
@@ -127,7 +127,7 @@ def test_lookup_compares_the_namespace_key_exactly() -> None:
 )
 def test_bad_regions_are_rejected(bad, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SeqState(range(8), max_tokens=2, namespace=bad)
+        Sequence(range(8), max_tokens=2, namespace=bad)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -135,9 +135,9 @@ def test_bad_regions_are_rejected(bad, message: str) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def computed(bm: BlockManager, tokens: list[int], namespace) -> SeqState:
+def computed(bm: BlockManager, tokens: list[int], namespace) -> Sequence:
     """A sequence allocated and prefilled in full, its full blocks published."""
-    seq = SeqState(tokens, max_tokens=8, namespace=namespace)
+    seq = Sequence(tokens, max_tokens=8, namespace=namespace)
     bm.allocate(seq)
     seq.num_computed_tokens = seq.num_tokens
     bm.register_full_blocks(seq)
@@ -186,7 +186,7 @@ def test_a_user_region_makes_every_later_block_private() -> None:
 def test_generated_tokens_belong_to_the_last_region() -> None:
     bm = BlockManager(32, BS)
     turn = [(0, "s"), (6, "ana")]
-    seq = SeqState(list(range(10)), max_tokens=8, namespace=turn)
+    seq = Sequence(list(range(10)), max_tokens=8, namespace=turn)
     bm.allocate(seq)
     for token in range(100, 106):  # decode: tokens 10..15, filling blocks 2 and 3
         seq.num_computed_tokens = seq.num_tokens
@@ -207,7 +207,7 @@ def test_generated_tokens_belong_to_the_last_region() -> None:
     assert hits(bm, follow_up, [(0, "s"), (6, "bob")]) == 4
 
 
-def _fingerprints(seq: SeqState) -> list[int]:
+def _fingerprints(seq: Sequence) -> list[int]:
     """What a position's KV may be shared by: every token up to it and the namespace of each."""
     prints, h = [], 0
     for pos, token in enumerate(seq.token_ids):
@@ -221,14 +221,14 @@ def test_random_regions_never_share_kv_across_namespaces() -> None:
     bm = BlockManager(24, BS)
     kv: dict[int, int] = {}  # slot -> fingerprint of the context its KV was computed in
     stems = [[rng.randrange(6) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
-    live: list[SeqState] = []
+    live: list[Sequence] = []
     for _ in range(2000):
         op = rng.random()
         if op < 0.3:
             prompt = [*rng.choice(stems), *(rng.randrange(6) for _ in range(rng.randrange(0, 8)))][:30]
             cuts = sorted(rng.sample(range(1, len(prompt)), min(len(prompt) - 1, rng.randrange(0, 3))))
             spec = [(0, rng.choice(["s", None]))] + [(c, rng.choice(["a", "b", None])) for c in cuts]
-            seq = SeqState(prompt, max_tokens=8, namespace=spec)
+            seq = Sequence(prompt, max_tokens=8, namespace=spec)
             if bm.can_allocate(seq):
                 bm.allocate(seq)
                 live.append(seq)

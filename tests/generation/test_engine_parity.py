@@ -11,7 +11,7 @@ from generation import LLM, SamplingParams
 from generation.config import EngineConfig
 from generation.engine.llm_engine import LLMEngine
 from generation.engine.scheduler import ScheduledBatch
-from generation.engine.seq_state import SeqState
+from generation.engine.sequence import Sequence
 from rag.errors import ModelError
 
 CUDA = pytest.param(
@@ -77,7 +77,7 @@ def teacher_forced_logits(engine: LLMEngine, hf_model, prompts: list[list[int]],
     forced = {}
     seqs = []
     for prompt in prompts:
-        seq = SeqState(prompt, max_tokens=6, namespace=namespace)
+        seq = Sequence(prompt, max_tokens=6, namespace=namespace)
         forced[seq.seq_id] = prompt + [rng.randrange(3, 128) for _ in range(6)]
         engine.scheduler.add(seq)
         seqs.append(seq)
@@ -288,7 +288,7 @@ def test_cuda_graph_decode_matches_eager(default_model, dtype):
     for num_seqs in (19, 3):
         for i in range(num_seqs):
             prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(1, 40))]
-            scheduler.add(SeqState(prompt, max_tokens=1 + i * 3))
+            scheduler.add(Sequence(prompt, max_tokens=1 + i * 3))
         while scheduler.has_unfinished():
             batch = scheduler.schedule()
             inputs = runner.prepare_inputs(batch)

@@ -6,14 +6,14 @@ import pytest
 
 from generation.engine.block_manager import BlockManager
 from generation.engine.prefix_cache import PrefixCache, hash_block
-from generation.engine.seq_state import SeqState
+from generation.engine.sequence import Sequence
 
 BS = 4
 
 
-def computed(bm: BlockManager, tokens: list[int], namespace: str | None = None) -> SeqState:
+def computed(bm: BlockManager, tokens: list[int], namespace: str | None = None) -> Sequence:
     """A sequence allocated and prefilled in full, its full blocks published."""
-    seq = SeqState(tokens, max_tokens=8, namespace=namespace)
+    seq = Sequence(tokens, max_tokens=8, namespace=namespace)
     bm.allocate(seq)
     seq.num_computed_tokens = seq.num_tokens
     bm.register_full_blocks(seq)
@@ -69,14 +69,14 @@ def test_cache_evicts_least_recently_released_and_forgets_the_hash() -> None:
 def test_blocks_are_shared_by_content_and_prefix() -> None:
     bm = BlockManager(16, BS)
     a = computed(bm, list(range(13)))  # blocks [0-3] [4-7] [8-11] [12]
-    b = SeqState([*range(8), 99, 98, 97, 96, 95], max_tokens=8)
+    b = Sequence([*range(8), 99, 98, 97, 96, 95], max_tokens=8)
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] not in a.block_table
     assert b.num_cached_tokens == b.num_computed_tokens == 8
     assert [bm.ref_count(x) for x in b.block_table] == [2, 2, 1, 1]
     # The same tokens as a's second block, after another first block: a different prefix, no hit.
-    c = SeqState([50, 51, 52, 53, 4, 5, 6, 7, 8], max_tokens=8)
+    c = Sequence([50, 51, 52, 53, 4, 5, 6, 7, 8], max_tokens=8)
     bm.allocate(c)
     assert c.num_cached_tokens == 0 and not set(c.block_table) & set(a.block_table)
     bm.check_invariants()
@@ -86,12 +86,12 @@ def test_blocks_are_shared_by_content_and_prefix() -> None:
 def test_no_sharing_across_namespaces(first: str | None, second: str | None) -> None:
     bm = BlockManager(16, BS)
     a = computed(bm, list(range(13)), namespace=first)
-    other = SeqState(list(range(13)), max_tokens=8, namespace=second)
+    other = Sequence(list(range(13)), max_tokens=8, namespace=second)
     bm.deallocate(a)  # even unreferenced cached blocks must not serve another namespace
     bm.allocate(other)
     assert other.num_cached_tokens == 0
     assert bm.num_hit_tokens == 0
-    same = SeqState(list(range(13)), max_tokens=8, namespace=first)
+    same = Sequence(list(range(13)), max_tokens=8, namespace=first)
     bm.allocate(same)
     assert same.num_cached_tokens == 12
     bm.check_invariants()
@@ -101,7 +101,7 @@ def test_no_sharing_across_namespaces(first: str | None, second: str | None) -> 
 def test_the_last_token_is_always_computed(num_tokens: int, expected_cached: int) -> None:
     bm = BlockManager(16, BS)
     computed(bm, list(range(16)))
-    seq = SeqState(list(range(num_tokens)), max_tokens=8)
+    seq = Sequence(list(range(num_tokens)), max_tokens=8)
     assert bm.match_prefix(seq) == expected_cached
     bm.allocate(seq)
     assert seq.num_cached_tokens == seq.num_computed_tokens == expected_cached
@@ -125,19 +125,19 @@ def test_blocks_filled_during_decode_are_published() -> None:
         bm.may_append(a)
         a.num_computed_tokens = a.num_tokens
         bm.register_full_blocks(a)
-    b = SeqState([1, 2, 3, 4, 5, 6], max_tokens=8)
+    b = Sequence([1, 2, 3, 4, 5, 6], max_tokens=8)
     bm.allocate(b)
     assert b.num_cached_tokens == 4 and b.block_table[0] == a.block_table[0]
 
 
 def test_uncomputed_blocks_are_not_published() -> None:
     bm = BlockManager(16, BS)
-    a = SeqState(list(range(12)), max_tokens=8)
+    a = Sequence(list(range(12)), max_tokens=8)
     bm.allocate(a)
     a.num_computed_tokens = 5  # a prefill chunk: only the first block holds KV
     bm.register_full_blocks(a)
     assert bm.num_cached_blocks == 1
-    b = SeqState(list(range(12)), max_tokens=8)
+    b = Sequence(list(range(12)), max_tokens=8)
     bm.allocate(b)
     assert b.num_cached_tokens == 4
     bm.check_invariants()
@@ -149,13 +149,13 @@ def test_evictable_blocks_still_hit_and_leave_the_pool_on_hit() -> None:
     a_table = list(a.block_table)
     bm.deallocate(a)
     assert bm.num_free_blocks == 3 and bm.num_cached_blocks == 2
-    b = SeqState([*range(8), 42], max_tokens=8)
+    b = Sequence([*range(8), 42], max_tokens=8)
     assert bm.can_allocate(b)  # 2 evictable hits + 1 free block
     bm.allocate(b)
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a_table[:2]
     assert bm.num_free_blocks == 0 and bm.usage == 1.0
     # The hits are referenced now, so a third copy needs only one new block, and there is none.
-    c = SeqState([*range(8), 43], max_tokens=8)
+    c = Sequence([*range(8), 43], max_tokens=8)
     assert bm.match_prefix(c) == 8 and not bm.can_allocate(c)
     bm.check_invariants()
 
@@ -169,11 +169,11 @@ def test_lru_eviction_takes_the_oldest_released_chain_tail_first() -> None:
     bm.deallocate(new)
     assert bm.num_cached_blocks == 6 and bm.num_free_blocks == 6
     # One new block evicts old's tail (its third block): old's first two blocks still hit.
-    filler = SeqState([7, 7], max_tokens=8)
+    filler = Sequence([7, 7], max_tokens=8)
     bm.allocate(filler)
     assert filler.block_table == [old_table[2]]
-    probe_old = SeqState(list(range(13)), max_tokens=8)
-    probe_new = SeqState(list(range(100, 113)), max_tokens=8)
+    probe_old = Sequence(list(range(13)), max_tokens=8)
+    probe_new = Sequence(list(range(100, 113)), max_tokens=8)
     assert bm.match_prefix(probe_old) == 8
     assert bm.match_prefix(probe_new) == 12
     bm.check_invariants()
@@ -185,8 +185,8 @@ def test_reset_drops_only_unreferenced_blocks() -> None:
     dropped = computed(bm, list(range(50, 59)))
     bm.deallocate(dropped)
     assert bm.reset_prefix_cache() == 2
-    assert bm.match_prefix(SeqState(list(range(50, 59)), max_tokens=8)) == 0
-    assert bm.match_prefix(SeqState(list(range(9)), max_tokens=8)) == 8
+    assert bm.match_prefix(Sequence(list(range(50, 59)), max_tokens=8)) == 0
+    assert bm.match_prefix(Sequence(list(range(9)), max_tokens=8)) == 8
     assert kept.block_table and bm.num_free_blocks == 5
     bm.check_invariants()
 

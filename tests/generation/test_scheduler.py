@@ -13,7 +13,7 @@ import pytest
 
 from generation.engine.block_manager import BlockManager
 from generation.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from generation.engine.seq_state import SeqState, SeqStatus
+from generation.engine.sequence import Sequence, SequenceStatus
 from rag.errors import GenerationError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ VOCAB = 16
 STOP = 0  # the fake caller's stop token
 
 
-def next_token(seq: SeqState, upto: int, tokens: list[int] | None = None) -> int:
+def next_token(seq: Sequence, upto: int, tokens: list[int] | None = None) -> int:
     """The fake model's pick after the first `upto` tokens (of seq, or of `tokens`): depends on the whole context.
 
     blake2b, not hash(): str hashes change between processes, and the tests must not.
@@ -35,7 +35,7 @@ def reference_output(
     prompt: list[int], namespace: str | None, max_tokens: int, max_model_len: int, stop: bool = False
 ) -> list[int]:
     """What any schedule must produce for this request: the fake model's tokens until it finishes."""
-    seq = SeqState(prompt, max_tokens=max_tokens, namespace=namespace)
+    seq = Sequence(prompt, max_tokens=max_tokens, namespace=namespace)
     while True:
         token = next_token(seq, seq.num_tokens)
         seq.append_token(token)
@@ -56,7 +56,7 @@ class FakeRunner:
         self.bm = bm
         self.kv: dict[int, int] = {}
 
-    def run(self, batch: ScheduledBatch, final_length: Callable[[SeqState], int]) -> dict[int, list[int]]:
+    def run(self, batch: ScheduledBatch, final_length: Callable[[Sequence], int]) -> dict[int, list[int]]:
         """seq_id -> one token per step of the batch for each sampling entry."""
         sampled = {}
         for entry in batch.entries:
@@ -84,18 +84,18 @@ class FakeRunner:
             sampled[seq.seq_id] = tokens[seq.num_tokens :]
         return sampled
 
-    def _attend(self, seq: SeqState, tokens: list[int], upto: int) -> None:
+    def _attend(self, seq: Sequence, tokens: list[int], upto: int) -> None:
         for pos in range(upto):
             slot = seq.block_table[pos // BS] * BS + pos % BS
             assert self.kv[slot] == self._print(seq, tokens, pos), f"{seq} attends to foreign KV at {pos}"
 
-    def _write(self, seq: SeqState, tokens: list[int], pos: int) -> None:
+    def _write(self, seq: Sequence, tokens: list[int], pos: int) -> None:
         block = seq.block_table[pos // BS]
         assert self.bm.ref_count(block) == 1, "wrote into a shared block"
         self.kv[block * BS + pos % BS] = self._print(seq, tokens, pos)
 
     @staticmethod
-    def _print(seq: SeqState, tokens: list[int], pos: int) -> int:
+    def _print(seq: Sequence, tokens: list[int], pos: int) -> int:
         return hash((seq.namespace, tuple(tokens[: pos + 1])))
 
 
@@ -119,7 +119,7 @@ def keep(sched: Scheduler, batch: ScheduledBatch, sampled: dict[int, list[int]],
     return kept
 
 
-def step(sched: Scheduler, runner: FakeRunner, stop: bool = False) -> tuple[ScheduledBatch, list[SeqState]]:
+def step(sched: Scheduler, runner: FakeRunner, stop: bool = False) -> tuple[ScheduledBatch, list[Sequence]]:
     """One engine step; with `stop`, the caller finishes a sequence that samples STOP."""
     batch = sched.schedule()
     assert batch.num_batched_tokens <= sched.config.max_num_batched_tokens
@@ -167,10 +167,10 @@ def test_block_sizes_must_agree() -> None:
 def test_add_rejects_impossible_and_repeated_requests() -> None:
     sched, _ = make(num_blocks=4, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len"):
-        sched.add(SeqState(range(32), max_tokens=4))
+        sched.add(Sequence(range(32), max_tokens=4))
     with pytest.raises(ValueError, match="KV cache"):
-        sched.add(SeqState(range(17), max_tokens=4))
-    seq = SeqState(range(16), max_tokens=4)
+        sched.add(Sequence(range(17), max_tokens=4))
+    seq = Sequence(range(16), max_tokens=4)
     sched.add(seq)
     with pytest.raises(ValueError, match="already"):
         sched.add(seq)
@@ -178,11 +178,11 @@ def test_add_rejects_impossible_and_repeated_requests() -> None:
 
 def test_new_requests_join_while_others_decode() -> None:
     sched, runner = make()
-    a = SeqState(range(1, 7), max_tokens=50, arrival_time=0)
+    a = Sequence(range(1, 7), max_tokens=50, arrival_time=0)
     sched.add(a)
     assert shape(step(sched, runner)[0]) == [(a.seq_id, 6, 0, True)]
     step(sched, runner)
-    b = SeqState(range(20, 30), max_tokens=50, arrival_time=1)
+    b = Sequence(range(20, 30), max_tokens=50, arrival_time=1)
     sched.add(b)
     batch, _ = step(sched, runner)
     assert shape(batch) == [(a.seq_id, 1, 7, True), (b.seq_id, 10, 0, True)]
@@ -193,10 +193,10 @@ def test_new_requests_join_while_others_decode() -> None:
 
 def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
     sched, runner = make(max_num_batched_tokens=8, max_num_seqs=4)
-    a = SeqState([1, 2], max_tokens=50, arrival_time=0)
+    a = Sequence([1, 2], max_tokens=50, arrival_time=0)
     sched.add(a)
     step(sched, runner)
-    b = SeqState(range(1, 21), max_tokens=50, arrival_time=1)
+    b = Sequence(range(1, 21), max_tokens=50, arrival_time=1)
     sched.add(b)
     shapes = [shape(step(sched, runner)[0]) for _ in range(4)]
     assert shapes == [
@@ -210,8 +210,8 @@ def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits() -> None:
     sched, runner = make(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
-    a = SeqState([1, 2], max_tokens=3, arrival_time=0)
-    b = SeqState(range(1, 16), max_tokens=3, arrival_time=1)
+    a = Sequence([1, 2], max_tokens=3, arrival_time=0)
+    b = Sequence(range(1, 16), max_tokens=3, arrival_time=1)
     sched.add(a)
     step(sched, runner)
     sched.add(b)
@@ -219,21 +219,21 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits() -> None:
     assert shape(batch) == [(a.seq_id, 1, 2, True), (b.seq_id, 15, 0, True)]
 
     sched, runner = make(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
-    a, c = SeqState([1, 2], max_tokens=3, arrival_time=0), SeqState([3, 4], max_tokens=3, arrival_time=0)
-    b = SeqState(range(1, 16), max_tokens=3, arrival_time=1)
+    a, c = Sequence([1, 2], max_tokens=3, arrival_time=0), Sequence([3, 4], max_tokens=3, arrival_time=0)
+    b = Sequence(range(1, 16), max_tokens=3, arrival_time=1)
     sched.add(a)
     sched.add(c)
     step(sched, runner)
     sched.add(b)
     batch, _ = step(sched, runner)  # 2 decodes leave 14 tokens: b waits whole, not in chunks
-    assert [e.seq for e in batch.entries] == [a, c] and b.status is SeqStatus.WAITING
+    assert [e.seq for e in batch.entries] == [a, c] and b.status is SequenceStatus.WAITING
     run_to_completion(sched, runner)
     assert b.output_token_ids == reference_output(list(range(1, 16)), None, 3, 16)
 
 
 def test_max_num_seqs_caps_the_running_set() -> None:
     sched, runner = make(max_num_seqs=2)
-    seqs = [SeqState([i + 1, i + 2], max_tokens=3, arrival_time=i) for i in range(5)]
+    seqs = [Sequence([i + 1, i + 2], max_tokens=3, arrival_time=i) for i in range(5)]
     for seq in seqs:
         sched.add(seq)
     batch, _ = step(sched, runner)
@@ -243,16 +243,16 @@ def test_max_num_seqs_caps_the_running_set() -> None:
         step(sched, runner)
         peak = max(peak, sched.num_running)
     assert peak == 2
-    assert all(s.status is SeqStatus.FINISHED for s in seqs)
+    assert all(s.status is SequenceStatus.FINISHED for s in seqs)
 
 
 def test_prefix_hits_skip_prompt_tokens() -> None:
     sched, runner = make()
     doc = list(range(1, 13))
-    first = SeqState([*doc, 13], max_tokens=1, arrival_time=0)
+    first = Sequence([*doc, 13], max_tokens=1, arrival_time=0)
     sched.add(first)
     run_to_completion(sched, runner)
-    second = SeqState([*doc, 14, 15], max_tokens=2, arrival_time=1)
+    second = Sequence([*doc, 14, 15], max_tokens=2, arrival_time=1)
     sched.add(second)
     batch, _ = step(sched, runner)
     assert shape(batch) == [(second.seq_id, 2, 12, True)]
@@ -265,7 +265,7 @@ def test_preemption_frees_the_newest_and_recomputes_it_later() -> None:
     # 6 blocks of 4 tokens; three requests of 2 blocks fill the pool, then the oldest grows.
     sched, runner = make(num_blocks=6, prefix_cache=False)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [2, 4, 6, 8, 10, 12, 14]]
-    seqs = [SeqState(p, max_tokens=6, arrival_time=i) for i, p in enumerate(prompts)]
+    seqs = [Sequence(p, max_tokens=6, arrival_time=i) for i, p in enumerate(prompts)]
     for seq in seqs:
         sched.add(seq)
     step(sched, runner)  # all three prefilled: 6 blocks in use, 8th token of each sampled
@@ -275,10 +275,10 @@ def test_preemption_frees_the_newest_and_recomputes_it_later() -> None:
     newest = seqs[2]
     assert batch.preempted == [newest]  # its 2 blocks are enough for the two older ones
     assert [e.seq for e in batch.entries] == seqs[:2]
-    assert newest.status is SeqStatus.WAITING and newest.block_table == [] and newest.num_computed_tokens == 0
+    assert newest.status is SequenceStatus.WAITING and newest.block_table == [] and newest.num_computed_tokens == 0
     assert newest.num_output_tokens == 2  # kept: recompute feeds prompt + output
     assert list(sched.waiting) == [newest]
-    late = SeqState([3, 3], max_tokens=2, arrival_time=10)
+    late = Sequence([3, 3], max_tokens=2, arrival_time=10)
     sched.add(late)
     assert list(sched.waiting)[-1] is late  # preempted requests go before newer arrivals
     run_to_completion(sched, runner)
@@ -290,15 +290,15 @@ def test_preemption_frees_the_newest_and_recomputes_it_later() -> None:
 
 def test_a_sequence_too_big_for_the_whole_pool_is_a_clear_error() -> None:
     sched, runner = make(num_blocks=2)
-    sched.add(SeqState(range(1, 7), max_tokens=10))
+    sched.add(Sequence(range(1, 7), max_tokens=10))
     with pytest.raises(GenerationError, match="KV blocks"):
         run_to_completion(sched, runner)
 
 
 def test_abort_frees_blocks_wherever_the_request_is() -> None:
     sched, runner = make(num_blocks=8, max_num_seqs=1)
-    running = SeqState(range(1, 10), max_tokens=20, arrival_time=0)
-    waiting = SeqState(range(1, 5), max_tokens=20, arrival_time=1)
+    running = Sequence(range(1, 10), max_tokens=20, arrival_time=0)
+    waiting = Sequence(range(1, 5), max_tokens=20, arrival_time=1)
     sched.add(running)
     sched.add(waiting)
     step(sched, runner)
@@ -308,7 +308,7 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
     sampled = runner.run(batch, sched.final_length)
     assert sched.abort(running.seq_id)  # arrives while the model runs the step
     assert sched.postprocess(batch, sampled) == []
-    assert not sched.has_unfinished() and running.status is SeqStatus.FINISHED
+    assert not sched.has_unfinished() and running.status is SequenceStatus.FINISHED
     assert sched.block_manager.num_used_blocks == 0
     assert not sched.abort(running.seq_id) and not sched.abort(12345)
     sched.block_manager.check_invariants()
@@ -316,7 +316,7 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
 
 def test_postprocess_needs_a_token_for_every_sampling_entry() -> None:
     sched, _ = make()
-    sched.add(SeqState([1, 2], max_tokens=5))
+    sched.add(Sequence([1, 2], max_tokens=5))
     batch = sched.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
         sched.postprocess(batch, {})
@@ -324,9 +324,9 @@ def test_postprocess_needs_a_token_for_every_sampling_entry() -> None:
 
 def test_postprocess_finishes_on_stop_flag_max_tokens_and_max_model_len() -> None:
     sched, _ = make(max_model_len=10)
-    by_flag = SeqState([1, 2], max_tokens=50, arrival_time=0)
-    by_tokens = SeqState([3, 4], max_tokens=2, arrival_time=1)
-    by_length = SeqState(range(1, 8), max_tokens=50, arrival_time=2)
+    by_flag = Sequence([1, 2], max_tokens=50, arrival_time=0)
+    by_tokens = Sequence([3, 4], max_tokens=2, arrival_time=1)
+    by_length = Sequence(range(1, 8), max_tokens=50, arrival_time=2)
     for seq in (by_flag, by_tokens, by_length):
         sched.add(seq)
     batch = sched.schedule()
@@ -338,7 +338,7 @@ def test_postprocess_finishes_on_stop_flag_max_tokens_and_max_model_len() -> Non
         for seq in sched.postprocess(batch, {e.seq.seq_id: [5] for e in batch.entries}):
             finished_at[seq.seq_id] = seq.num_tokens
     assert finished_at == {by_tokens.seq_id: 4, by_length.seq_id: 10}
-    assert by_flag.num_output_tokens == 1 and by_flag.status is SeqStatus.FINISHED
+    assert by_flag.num_output_tokens == 1 and by_flag.status is SequenceStatus.FINISHED
     assert sched.block_manager.num_used_blocks == 0
 
 
@@ -363,7 +363,7 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
     )
     docs = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     expected: dict[int, list[int]] = {}
-    requests: list[SeqState] = []
+    requests: list[Sequence] = []
     aborted: set[int] = set()
     num_chunks = 0  # prefill entries that stop inside a prompt
     num_multi_step = 0  # batches that ran more than one step
@@ -373,7 +373,7 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
             prompt = [*rng.choice(docs), *(rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 8)))]
             namespace = rng.choice([None, "lab-a", "lab-b"])
             max_tokens = rng.randrange(1, 24)
-            seq = SeqState(prompt, max_tokens=max_tokens, namespace=namespace, arrival_time=i)
+            seq = Sequence(prompt, max_tokens=max_tokens, namespace=namespace, arrival_time=i)
             sched.add(seq)
             requests.append(seq)
             expected[seq.seq_id] = reference_output(prompt, namespace, max_tokens, max_model_len, stop=True)
@@ -390,7 +390,7 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
     bm.check_invariants()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     for seq in requests:
-        assert seq.status is SeqStatus.FINISHED
+        assert seq.status is SequenceStatus.FINISHED
         if seq.seq_id not in aborted:
             assert seq.output_token_ids == expected[seq.seq_id], f"{seq} generated other tokens"
     assert sched.num_preemptions > 0  # the pool is small enough that the run exercised preemption
@@ -402,7 +402,7 @@ def test_random_workload_completes_with_reference_outputs_and_frees_everything(
 
 def test_a_batch_of_decodes_runs_several_steps_with_blocks_reserved() -> None:
     sched, runner = make(num_scheduler_steps=4, max_model_len=64)
-    a = SeqState(range(1, 7), max_tokens=50, arrival_time=0)  # 6 tokens: the prompt fits one step
+    a = Sequence(range(1, 7), max_tokens=50, arrival_time=0)  # 6 tokens: the prompt fits one step
     sched.add(a)
     batch, _ = step(sched, runner)
     # A completing prompt runs one step: its first token goes out at once.
@@ -412,37 +412,37 @@ def test_a_batch_of_decodes_runs_several_steps_with_blocks_reserved() -> None:
     assert batch.num_steps == 4 and a.num_tokens == 11 and a.num_computed_tokens == 10
     assert len(a.block_table) == 3  # blocks for 10 tokens, no more
     assert a.output_token_ids == reference_output(list(range(1, 7)), None, 50, 64)[:5]
-    b = SeqState(range(20, 31), max_tokens=2, arrival_time=1)
+    b = Sequence(range(20, 31), max_tokens=2, arrival_time=1)
     sched.add(b)
     batch, _ = step(sched, runner)
     assert shape(batch) == [(a.seq_id, 1, 10, True), (b.seq_id, 11, 0, True)] and batch.num_steps == 1
     batch, _ = step(sched, runner)
     assert batch.num_steps == 4  # as many as a can use; b's steps past its end are discarded
-    assert b.status is SeqStatus.FINISHED and b.num_output_tokens == 2
+    assert b.status is SequenceStatus.FINISHED and b.num_output_tokens == 2
     assert a.num_output_tokens == 10
 
 
 def test_lookahead_is_capped_by_what_any_sequence_can_use() -> None:
     sched, runner = make(num_scheduler_steps=8)
-    short = SeqState([1, 2, 3], max_tokens=3)
+    short = Sequence([1, 2, 3], max_tokens=3)
     sched.add(short)
     assert step(sched, runner)[0].num_steps == 1  # the prompt
     batch, _ = step(sched, runner)
-    assert batch.num_steps == 2 and short.status is SeqStatus.FINISHED
+    assert batch.num_steps == 2 and short.status is SequenceStatus.FINISHED
     assert sched.block_manager.num_used_blocks == 0
 
 
 def test_a_prompt_chunk_or_a_short_pool_runs_one_step() -> None:
     sched, runner = make(num_scheduler_steps=4, max_num_batched_tokens=8, max_num_seqs=4)
-    a = SeqState([1, 2], max_tokens=50, arrival_time=0)
+    a = Sequence([1, 2], max_tokens=50, arrival_time=0)
     sched.add(a)
     step(sched, runner)
-    sched.add(SeqState(range(1, 21), max_tokens=50, arrival_time=1))
+    sched.add(Sequence(range(1, 21), max_tokens=50, arrival_time=1))
     batch, _ = step(sched, runner)  # a decodes, b's first chunk stops inside its prompt
     assert batch.num_steps == 1
     # 2 blocks of 4: after its prompt step c holds 3 tokens; 4 steps need slots up to token 6.
     sched, runner = make(num_blocks=2, num_scheduler_steps=4)
-    c = SeqState([1, 2], max_tokens=50)
+    c = Sequence([1, 2], max_tokens=50)
     sched.add(c)
     assert step(sched, runner)[0].num_steps == 1
     assert step(sched, runner)[0].num_steps == 4
@@ -479,7 +479,7 @@ def _import_without_torch(module: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("module", ["seq_state", "prefix_cache", "block_manager", "scheduler"])
+@pytest.mark.parametrize("module", ["sequence", "prefix_cache", "block_manager", "scheduler"])
 def test_engine_core_imports_without_torch(module: str) -> None:
     result = _import_without_torch(f"generation.engine.{module}")
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""SeqState: the scheduler's and block manager's view of one request (tokens, KV blocks, progress)."""
+"""Sequence: the scheduler's and block manager's view of one request (tokens, KV blocks, progress)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from generation.engine.cache_namespaces import CacheNamespaces, NamespaceKey, Na
 _seq_ids = itertools.count()
 
 
-class SeqStatus(Enum):
+class SequenceStatus(Enum):
     """Where a sequence is: queued for (re)admission, holding KV blocks, or done."""
 
     WAITING = "waiting"
@@ -21,7 +21,7 @@ class SeqStatus(Enum):
     FINISHED = "finished"
 
 
-class SeqState:
+class Sequence:
     """Token ids, KV block table and progress counters of one request; no torch, no text.
 
     Args:
@@ -57,7 +57,7 @@ class SeqState:
         # The plain namespace, or the normalized regions as a tuple (hashable, for fingerprints).
         self.namespace = self.cache_namespaces.spec
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
-        self.status = SeqStatus.WAITING
+        self.status = SequenceStatus.WAITING
         # Set by the caller's stop logic (EOS, stop strings); the scheduler frees the sequence then.
         self.finished = False
         # Physical KV block ids; token at position p lives in slot block_table[p // bs] * bs + p % bs.
@@ -72,7 +72,7 @@ class SeqState:
 
     def __repr__(self) -> str:
         return (
-            f"SeqState(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
 
