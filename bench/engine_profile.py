@@ -13,11 +13,11 @@ import time
 import torch
 
 from generation import LLM, SamplingParams
-from generation.engine.cuda_graphs import DecodeGraphs
+from generation.engine.decode_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.engine.sequence import Sequence
-from generation.layers.kernels import set_fused_kernels
+from generation.layers.kernel_choice import set_fused_kernels
 
 
 def gpu_ms(fn, reps: int = 20) -> float:
@@ -73,7 +73,7 @@ def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[Sequence]:
 def profile(llm: LLM, floor_ms: float) -> None:
     runner = llm.engine.model_runner
     bm = llm.engine.block_manager
-    graphs = runner.graphs
+    graphs = runner.decode_graphs
     assert graphs is not None, "the profile needs CUDA graphs"
     print("profile: GPU time of one decode step (CUDA graph replay: forward + LM head), bf16")
     with torch.inference_mode():

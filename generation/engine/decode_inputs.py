@@ -133,7 +133,7 @@ class DecodeInputs:
         fields = self.fields(self.bs)
         n = self.num_rows
         if self.device_buffer.is_cuda:
-            from generation.engine.advance_kernel import advance_decode_rows
+            from generation.engine.triton_advance import advance_decode_rows
 
             advance_decode_rows(self.device_buffer, tokens, n, self.bs, self.width, self.block_size)
             return

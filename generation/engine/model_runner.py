@@ -12,13 +12,13 @@ import numpy as np
 import torch
 
 from generation.config import EngineConfig, ModelConfig
-from generation.engine.cuda_graphs import DecodeGraphs
+from generation.engine.decode_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs, block_table_rows
 from generation.engine.kv_cache import GIB, decide_num_blocks, fit_max_model_len, kv_shape
 from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.layers.attention import AttentionMetadata, KVCache
-from generation.layers.kernels import triton_fused_for
+from generation.layers.kernel_choice import triton_fused_for
 from generation.layers.linear import Linear
 from generation.layers.paged_attention import attention_backend
 from generation.layers.sampler import sample
@@ -39,9 +39,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64, rows of the hidden states that sample (one per `samples` entry)
     # Pure-decode step: every row samples (logits_indices is 0..T-1), and the inputs sit in the
-    # packed decode buffer, laid out for a CUDA graph when `graph` is set.
+    # packed decode buffer, laid out for a CUDA graph when `decode_graph` is set.
     is_decode: bool = False
-    graph: bool = False
+    decode_graph: bool = False
     # A small prefill step whose inputs sit in PrefillGraphs' buffer: a graph replay serves it.
     prefill_graph: bool = False
 
@@ -122,7 +122,7 @@ class ModelRunner:
         self._sampled = torch.zeros(self.num_scheduler_steps, config.max_num_seqs, dtype=torch.int64, pin_memory=cuda)
         self._sampled_np = self._sampled.numpy()
         self._step_done = [torch.cuda.Event() for _ in range(self.num_scheduler_steps)] if cuda else []
-        self.graphs: DecodeGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         if cuda and not config.enforce_eager:
             if attention_backend(self.device) != "triton":
@@ -130,18 +130,18 @@ class ModelRunner:
                 logger.warning("Triton is not available: attention runs the torch reference, without CUDA graphs")
             else:
                 with torch.inference_mode():
-                    self.graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_inputs)
+                    self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.decode_inputs)
                     self.prefill_graphs = PrefillGraphs(
-                        self.model, self.kv_caches, self.max_blocks_per_seq, self.graphs.pool
+                        self.model, self.kv_caches, self.max_blocks_per_seq, self.decode_graphs.pool
                     )
 
     def _choose_matmul_kernels(self) -> None:
         """Time cuBLAS against the Triton skinny matmul on each weight shape (CUDA, fused kernels on)."""
         if triton_fused_for(torch.empty(0, device=self.device)) is None:
             return
-        from generation.layers import skinny_gemm
+        from generation.layers import triton_skinny_gemm
 
-        skinny_gemm.choose([m.weight for m in self.model.modules() if isinstance(m, Linear)])
+        triton_skinny_gemm.choose([m.weight for m in self.model.modules() if isinstance(m, Linear)])
 
     # ---------------------------------------------------------------------------------------------
     # A batch
@@ -222,8 +222,8 @@ class ModelRunner:
 
         A replay's logits are a view of the graph's static buffer: use them before the next replay.
         """
-        if inputs.graph and self.graphs is not None:
-            return self.graphs.replay(len(inputs.input_ids))
+        if inputs.decode_graph and self.decode_graphs is not None:
+            return self.decode_graphs.replay(len(inputs.input_ids))
         if inputs.prefill_graph and self.prefill_graphs is not None:
             return self.prefill_graphs.replay(len(inputs.input_ids), len(inputs.logits_indices))
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
@@ -302,9 +302,9 @@ class ModelRunner:
     def _write_decode(self, entries: list[ScheduledEntry]) -> None:
         """Pack a decode layout of the entries (CUDA-graph padded when a graph serves their number)."""
         n = len(entries)
-        graph = self.graphs is not None and n <= self.graphs.max_batch_size
+        graph = self.decode_graphs is not None and n <= self.decode_graphs.max_batch_size
         # A graph reads the layout of its bucket, padding rows included; eager runs take n rows.
-        rows = self.graphs.bucket(n) if graph and self.graphs is not None else n
+        rows = self.decode_graphs.bucket(n) if graph and self.decode_graphs is not None else n
         self.decode_inputs.write(entries, rows)
 
     def _decode_step_inputs(self) -> StepInputs:
@@ -312,9 +312,9 @@ class ModelRunner:
         inputs = self.decode_inputs
         n, rows = inputs.num_rows, inputs.bs
         fields = inputs.fields(rows)
-        graph = self.graphs is not None and n <= self.graphs.max_batch_size
-        if graph and self.graphs is not None:
-            meta = self.graphs.meta(fields, n)
+        graph = self.decode_graphs is not None and n <= self.decode_graphs.max_batch_size
+        if graph and self.decode_graphs is not None:
+            meta = self.decode_graphs.meta(fields, n)
         else:
             meta = AttentionMetadata(
                 is_prefill=False,
@@ -328,7 +328,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._all_rows[:n],
             is_decode=True,
-            graph=graph,
+            decode_graph=graph,
         )
 
     def _to_device(self, data: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from generation.layers.kernels import triton_fused_for
+from generation.layers.kernel_choice import triton_fused_for
 from generation.layers.paged_attention import paged_decode_attention, paged_prefill_attention, store_kvcache
 from generation.layers.rotary import RopeInputs, apply_rotary
 

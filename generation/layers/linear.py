@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from generation.layers.kernels import triton_fused_for
+from generation.layers.kernel_choice import triton_fused_for
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) with a measured kernel choice for decode-sized inputs.
 
-    Inputs of at most skinny_gemm.MAX_ROWS rows on CUDA use the Triton kernel when
-    `skinny_gemm.choose` found it faster than cuBLAS for this weight shape; everything else is
+    Inputs of at most triton_skinny_gemm.MAX_ROWS rows on CUDA use the Triton kernel when
+    `triton_skinny_gemm.choose` found it faster than cuBLAS for this weight shape; everything else is
     F.linear.
     """
 
@@ -21,11 +21,11 @@ class Linear(nn.Linear):
         """x [..., in] -> [..., out]; `out` ([N, out], for 2-D x) receives the result when given."""
         fused = triton_fused_for(x)
         if fused is not None:
-            from generation.layers import skinny_gemm
+            from generation.layers import triton_skinny_gemm
 
-            config = skinny_gemm.choice_for(x, self.weight)
+            config = triton_skinny_gemm.choice_for(x, self.weight)
             if config is not None:
-                return skinny_gemm.skinny_gemm(x, self.weight, self.bias, config, out=out)
+                return triton_skinny_gemm.skinny_gemm(x, self.weight, self.bias, config, out=out)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:

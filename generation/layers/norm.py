@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from generation.layers.kernels import triton_fused_for
+from generation.layers.kernel_choice import triton_fused_for
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from generation.layers.kernels import triton_attention_for, triton_available
+from generation.layers.kernel_choice import triton_attention_for, triton_available
 
 # Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]. The
 # token at position p of sequence i lives in slot block_tables[i, p // block_size] * block_size +

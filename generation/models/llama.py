@@ -10,7 +10,7 @@ from torch import nn
 
 from generation.config import ModelConfig
 from generation.layers.attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
-from generation.layers.kernels import triton_fused_for
+from generation.layers.kernel_choice import triton_fused_for
 from generation.layers.linear import Linear
 from generation.layers.norm import RMSNorm
 from generation.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary

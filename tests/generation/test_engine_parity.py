@@ -279,7 +279,7 @@ def test_implicit_max_model_len_shrinks_to_the_cache(default_model, caplog):
 def test_cuda_graph_decode_matches_eager(default_model, dtype):
     engine = LLMEngine(default_model[0], EngineConfig(device="cuda", dtype=dtype, max_num_seqs=32, max_model_len=128))
     runner, scheduler = engine.model_runner, engine.scheduler
-    assert runner.graphs is not None and runner.prefill_graphs is not None
+    assert runner.decode_graphs is not None and runner.prefill_graphs is not None
     rng = random.Random(0)
     compared = prefill_graphs = 0
     tol = 1e-4 if dtype == "float32" else 3e-2
@@ -294,7 +294,7 @@ def test_cuda_graph_decode_matches_eager(default_model, dtype):
             inputs = runner.prepare_inputs(batch)
             with torch.inference_mode():
                 logits = runner.step_logits(inputs).clone()
-                if inputs.graph or inputs.prefill_graph:
+                if inputs.decode_graph or inputs.prefill_graph:
                     # The replay wrote this step's KV; the eager pass writes the same values again.
                     hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
                     if not inputs.is_decode:
@@ -321,6 +321,6 @@ def test_cuda_graph_tokens_equal_eager_tokens(default_model):
     for eager in (True, False):
         # fp32: bf16 rounding could flip a near-tie between two correct kernels' outputs.
         llm = LLM(path, device="cuda", dtype=torch.float32, enforce_eager=eager, max_num_seqs=64)
-        assert (llm.engine.model_runner.graphs is None) == eager
+        assert (llm.engine.model_runner.decode_graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]

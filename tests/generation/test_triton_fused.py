@@ -127,40 +127,40 @@ def test_paged_attention_with_decodes_before_chunks_matches_one_prefill_kernel(n
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_gemm_matches_linear(rows, bias):
-    from generation.layers import skinny_gemm
+    from generation.layers import triton_skinny_gemm
 
     n, k = (200, 512) if INTERPRET else (6144, 4096)
     x = _randn(rows, k, dtype=HALF, seed=12)
     w = _randn(n, k, dtype=HALF, seed=13, scale=0.05)
     b = _randn(n, dtype=HALF, seed=14) if bias else None
     expected = F.linear(x.float(), w.float(), b.float() if b is not None else None)
-    for config in skinny_gemm.CANDIDATES:
-        out = skinny_gemm.skinny_gemm(x, w, b, config)
+    for config in triton_skinny_gemm.CANDIDATES:
+        out = triton_skinny_gemm.skinny_gemm(x, w, b, config)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     target = torch.full((rows, n), float("nan"), dtype=HALF, device=DEVICE)
-    skinny_gemm.skinny_gemm(x, w, b, skinny_gemm.CANDIDATES[0], out=target)
+    triton_skinny_gemm.skinny_gemm(x, w, b, triton_skinny_gemm.CANDIDATES[0], out=target)
     torch.testing.assert_close(target.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_skinny_gemm_handles_a_k_that_is_not_a_multiple_of_the_block():
-    from generation.layers import skinny_gemm
+    from generation.layers import triton_skinny_gemm
 
     x = _randn(3, 200, dtype=HALF, seed=15)
     w = _randn(48, 200, dtype=HALF, seed=16)
-    out = skinny_gemm.skinny_gemm(x, w, None, skinny_gemm.SkinnyConfig(16, 128, 2))
+    out = triton_skinny_gemm.skinny_gemm(x, w, None, triton_skinny_gemm.SkinnyConfig(16, 128, 2))
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(INTERPRET, reason="times kernels in CUDA graphs")
 def test_choose_times_every_shape_and_the_chosen_kernels_compute_the_same():
-    from generation.layers import skinny_gemm
+    from generation.layers import triton_skinny_gemm
     from generation.layers.linear import Linear
 
     torch.manual_seed(31)
     up = [Linear(512, 1536, bias=False).to(DEVICE, HALF) for _ in range(4)]
     down = [Linear(768, 512, bias=True).to(DEVICE, HALF) for _ in range(4)]
-    skinny_gemm.choose([m.weight for m in up + down])
-    assert (1536, 512, HALF) in skinny_gemm._choices and (512, 768, HALF) in skinny_gemm._choices
+    triton_skinny_gemm.choose([m.weight for m in up + down])
+    assert (1536, 512, HALF) in triton_skinny_gemm._choices and (512, 768, HALF) in triton_skinny_gemm._choices
     for rows in (1, 7, 16, 40):  # 40 rows: beyond the skinny kernel, always cuBLAS
         for layer in (up[0], down[0]):
             x = _randn(rows, layer.in_features, dtype=HALF, seed=32)
@@ -171,7 +171,7 @@ def test_choose_times_every_shape_and_the_chosen_kernels_compute_the_same():
 def test_advance_kernel_matches_the_cpu_rule():
     # Rows of a padded 8-row layout: a plain step, a block boundary, a row whose lookahead ended
     # (no block next), and one at the table's width.
-    from generation.engine.advance_kernel import advance_decode_rows
+    from generation.engine.triton_advance import advance_decode_rows
 
     block_size, bs, n = 4, 8, 4
     host = DecodeInputs(bs, 6, block_size, torch.device("cpu"))

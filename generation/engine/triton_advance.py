@@ -1,4 +1,10 @@
-"""Triton kernel that moves packed decode inputs on by one token on the device (CUDA only)."""
+"""Triton kernel that moves packed decode inputs on by one token on the device (CUDA only).
+
+It lives in engine/, beside decode_inputs.py, not in layers/ with the other triton_* modules:
+it rewrites DecodeInputs' packed buffer between the steps of a multi-step batch (engine
+bookkeeping, tied to that layout), while layers/ holds the model's building blocks, which
+kernel_choice picks per tensor.
+"""
 
 from __future__ import annotations
 
