@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from generation.engine.limits import check_engine_limits
 from rag.errors import ModelError
 
 if TYPE_CHECKING:
@@ -194,7 +195,8 @@ class EngineConfig:
             per decode); also the size of the start-up profiling pass. Range >= max_num_seqs.
         max_model_len: most tokens of one request (prompt + output). None takes the model's
             context, lowered (with a warning) to what the KV cache holds. A value given here must
-            fit the model's context and the KV cache, or the engine refuses to start. Range >= 2.
+            fit the model's context and the KV cache, or the engine refuses to start. Range >= 2,
+            and <= max_num_batched_tokens without chunked prefill.
         block_size: tokens per KV block. Range 1..256; 16 is usual, Triton kernels like powers of 2.
         gpu_memory_utilization: share of the GPU's total memory that weights, activations and the
             KV cache may use together (CUDA only). Range (0, 1].
@@ -202,6 +204,7 @@ class EngineConfig:
         enable_prefix_caching: share full KV blocks between requests with the same prefix (and
             namespace).
         enable_chunked_prefill: split long prompts over steps so that decodes keep running.
+            Without it every prompt must fit in one step (max_num_batched_tokens).
         enforce_eager: no CUDA graphs (debugging; always eager on CPU).
         num_scheduler_steps: most model steps per scheduled batch: when every request in a step
             samples, the batch goes on decoding on the device, each step fed the last one's tokens,
@@ -230,23 +233,20 @@ class EngineConfig:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so that every running request can decode in one step"
-            )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be None or >= 2, got {self.max_model_len}")
-        if not 1 <= self.block_size <= 256:
-            raise ValueError(f"block_size must be in 1..256 (16 is usual), got {self.block_size}")
+        # The limits the scheduler shares are checked by the same function it uses, so both
+        # refuse the same values with the same words.
+        check_engine_limits(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_scheduler_steps=self.num_scheduler_steps,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be None (measure) or >= 1, got {self.num_kv_blocks}")
-        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be None or >= 1, got {self.num_scheduler_steps}")
         if self.dtype is not None and self.dtype_name not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; valid: None, {', '.join(DTYPE_NAMES)}")
 

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from generation.engine.block_manager import BlockManager
+from generation.engine.limits import check_engine_limits
 from generation.engine.sequence import Sequence, SequenceStatus
 from rag.errors import GenerationError
 
@@ -21,7 +22,7 @@ class SchedulerConfig:
             per decode). Range >= max_num_seqs, so that every running decode fits in a step, and
             >= max_model_len without chunked prefill, so that every prompt fits in a step.
         max_model_len: most tokens (prompt + output) of one sequence. Range >= 2.
-        block_size: tokens per KV block; must equal the KV cache's and the block manager's. Range >= 1.
+        block_size: tokens per KV block; must equal the KV cache's and the block manager's. Range 1..256.
         enable_chunked_prefill: split prompts longer than the step's remaining budget over steps.
         num_scheduler_steps: most model steps one scheduled batch runs when every entry samples:
             after the first, the batch keeps decoding on the device, each step fed the tokens of
@@ -37,25 +38,17 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}) so that every "
-                f"running sequence can decode in one step, got {self.max_num_batched_tokens}"
-            )
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1 (16 is usual), got {self.block_size}")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill max_num_batched_tokens must be >= max_model_len ({self.max_model_len}) "
-                f"so that the longest prompt fits in one step, got {self.max_num_batched_tokens}; "
-                "raise it or enable chunked prefill"
-            )
+        # The engine resolves EngineConfig's None (model context, device default) before building this.
+        if self.max_model_len is None or self.num_scheduler_steps is None:
+            raise ValueError("SchedulerConfig needs max_model_len and num_scheduler_steps as numbers, not None")
+        check_engine_limits(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_scheduler_steps=self.num_scheduler_steps,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
 
 
 @dataclass(frozen=True, slots=True)

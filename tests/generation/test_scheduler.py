@@ -479,7 +479,7 @@ def _import_without_torch(module: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("module", ["sequence", "prefix_cache", "block_manager", "scheduler"])
+@pytest.mark.parametrize("module", ["sequence", "limits", "prefix_cache", "block_manager", "scheduler"])
 def test_engine_core_imports_without_torch(module: str) -> None:
     result = _import_without_torch(f"generation.engine.{module}")
     assert result.returncode == 0, result.stderr
