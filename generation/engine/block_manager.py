@@ -18,24 +18,24 @@ class BlockManager:
     Args:
         num_blocks: blocks in the KV cache (>= 1).
         block_size: tokens per block (>= 1).
-        enable_prefix_cache: share full blocks between sequences of the same namespaces: a block is
+        enable_prefix_caching: share full blocks between sequences of the same namespaces: a block is
             shared only when its namespace key (every region covering it) and its whole prefix agree.
 
     Raises:
         ValueError: num_blocks or block_size < 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_cache = enable_prefix_cache
+        self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._cache: PrefixCache | None = PrefixCache() if enable_prefix_cache else None
+        self._cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
         # Sequences holding blocks, and how many of their leading blocks are published (or were hits).
         self._seqs: dict[int, Sequence] = {}
         self._num_published: dict[int, int] = {}
@@ -68,7 +68,7 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def match_prefix(self, seq: Sequence) -> int:
+    def num_prefix_hit_tokens(self, seq: Sequence) -> int:
         """Tokens that `allocate(seq)` would take from the cache right now (no side effects)."""
         return len(self.match(seq)) * self.block_size
 

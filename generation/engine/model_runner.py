@@ -14,7 +14,7 @@ import torch
 from generation.config import EngineConfig, ModelConfig
 from generation.engine.decode_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs, block_table_rows
-from generation.engine.kv_cache import GIB, decide_num_blocks, fit_max_model_len, kv_shape
+from generation.engine.kv_cache_sizing import GIB, decide_num_blocks, fit_max_model_len, kv_shape
 from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.layers.attention import AttentionMetadata, KVCache
@@ -237,7 +237,7 @@ class ModelRunner:
         if all(e.is_decode for e in batch.entries) and len(batch.entries) <= self.decode_inputs.max_batch:
             self._write_decode(batch.entries)
             return self._decode_step_inputs()
-        bs = self.block_size
+        block_size = self.block_size
         entries = batch.entries
         # Leading one-token decodes go to the decode kernel; cu_seqlens covers the entries after them.
         num_decodes = 0
@@ -255,18 +255,18 @@ class ModelRunner:
             if n == 1:  # decodes, the bulk of a large batch: no slices, no ranges
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
+                slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
             else:
                 input_ids += seq.token_ids[start:end]
                 positions += range(start, end)
-                slots += seq.slot_mapping(start, end, bs)
+                slots += seq.slot_mapping(start, end, block_size)
             context_lens.append(end)
             cu_seqlens.append(cu_seqlens[-1] + n)
             if entry.samples:
                 logits_indices.append(cu_seqlens[-1] - 1)
         # Only the blocks each row's context covers; a prompt's later blocks are not read yet.
         # numpy row fills: several times faster than torch.tensor on nested lists at batch 256.
-        num_blocks = [-(-end // bs) for end in context_lens]
+        num_blocks = [-(-end // block_size) for end in context_lens]
         tables = np.full((len(context_lens), max(num_blocks)), -1, dtype=np.int32)
         for row, (entry, k) in enumerate(zip(entries, num_blocks, strict=True)):
             tables[row, :k] = entry.seq.block_table[:k]

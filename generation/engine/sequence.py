@@ -60,7 +60,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         # Set by the caller's stop logic (EOS, stop strings); the scheduler frees the sequence then.
         self.finished = False
-        # Physical KV block ids; token at position p lives in slot block_table[p // bs] * bs + p % bs.
+        # Physical KV block ids; position p lives in slot block_table[p // block_size] * block_size + p % block_size.
         self.block_table: list[int] = []
         # Leading tokens whose KV is in the cache; the rest are fed to the model in later steps.
         self.num_computed_tokens = 0

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, num_sms, prepare
+from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, num_sms, prepare_attention_inputs
 from generation.layers.triton_decode import (  # noqa: F401  (the backend's decode entry points)
     DECODE_SPLIT_TARGET,
     decode_num_splits,
@@ -224,7 +224,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens to their cached prefix and each other (see paged_attention)."""
-    q, out, block_size, num_kv_heads, group = prepare(q, k_cache, v_cache, out)
+    q, out, block_size, num_kv_heads, group = prepare_attention_inputs(q, k_cache, v_cache, out)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:

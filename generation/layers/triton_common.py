@@ -49,7 +49,7 @@ def attend_tile(q, k, v, m_i, l_i, acc, visible, scale_log2, IEEE: tl.constexpr)
     return m_new, l_i, acc
 
 
-def prepare(
+def prepare_attention_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """Shared checks of both attention entry points: (q with unit head stride, the output (`out` or

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, num_sms, prepare
+from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, num_sms, prepare_attention_inputs
 
 _DECODE_KEYS = 64  # keys per decode iteration
 # Aim for this many decode programs per SM before splitting the context. Measured on an H200, batch 1,
@@ -159,7 +159,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens."""
-    q, out, block_size, num_kv_heads, group = prepare(q, k_cache, v_cache, out)
+    q, out, block_size, num_kv_heads, group = prepare_attention_inputs(q, k_cache, v_cache, out)
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return out

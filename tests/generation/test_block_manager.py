@@ -34,7 +34,7 @@ def test_sequence_block_helpers() -> None:
 
 
 def test_allocate_and_deallocate_account_for_every_block() -> None:
-    bm = BlockManager(8, BS, enable_prefix_cache=False)
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
     a = Sequence(range(9), max_tokens=4)
     b = Sequence(range(4), max_tokens=4)
     bm.allocate(a)
@@ -122,10 +122,10 @@ def _fingerprints(seq: Sequence) -> list[int]:
     return prints
 
 
-@pytest.mark.parametrize("enable_prefix_cache", [True, False])
-def test_random_operations_keep_refcounts_and_kv_content_right(enable_prefix_cache: bool) -> None:
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_random_operations_keep_refcounts_and_kv_content_right(enable_prefix_caching: bool) -> None:
     rng = random.Random(1234)
-    bm = BlockManager(24, BS, enable_prefix_cache=enable_prefix_cache)
+    bm = BlockManager(24, BS, enable_prefix_caching=enable_prefix_caching)
     # A fake KV cache: slot -> fingerprint of the context the token at that slot was computed in.
     kv: dict[int, int] = {}
     stems = [[rng.randrange(20) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
@@ -175,7 +175,7 @@ def test_random_operations_keep_refcounts_and_kv_content_right(enable_prefix_cac
         bm.deallocate(seq)
     bm.check_invariants()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == 24
-    if enable_prefix_cache:
+    if enable_prefix_caching:
         assert bm.num_hit_tokens > 0 and evictions > 0  # the run exercised sharing and eviction
     else:
         assert bm.num_hit_tokens == 0 and bm.num_cached_blocks == 0

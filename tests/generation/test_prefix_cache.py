@@ -102,7 +102,7 @@ def test_the_last_token_is_always_computed(num_tokens: int, expected_cached: int
     bm = BlockManager(16, BS)
     computed(bm, list(range(16)))
     seq = Sequence(list(range(num_tokens)), max_tokens=8)
-    assert bm.match_prefix(seq) == expected_cached
+    assert bm.num_prefix_hit_tokens(seq) == expected_cached
     bm.allocate(seq)
     assert seq.num_cached_tokens == seq.num_computed_tokens == expected_cached
     assert seq.num_pending_tokens >= 1
@@ -156,7 +156,7 @@ def test_evictable_blocks_still_hit_and_leave_the_pool_on_hit() -> None:
     assert bm.num_free_blocks == 0 and bm.usage == 1.0
     # The hits are referenced now, so a third copy needs only one new block, and there is none.
     c = Sequence([*range(8), 43], max_tokens=8)
-    assert bm.match_prefix(c) == 8 and not bm.can_allocate(c)
+    assert bm.num_prefix_hit_tokens(c) == 8 and not bm.can_allocate(c)
     bm.check_invariants()
 
 
@@ -174,8 +174,8 @@ def test_lru_eviction_takes_the_oldest_released_chain_tail_first() -> None:
     assert filler.block_table == [old_table[2]]
     probe_old = Sequence(list(range(13)), max_tokens=8)
     probe_new = Sequence(list(range(100, 113)), max_tokens=8)
-    assert bm.match_prefix(probe_old) == 8
-    assert bm.match_prefix(probe_new) == 12
+    assert bm.num_prefix_hit_tokens(probe_old) == 8
+    assert bm.num_prefix_hit_tokens(probe_new) == 12
     bm.check_invariants()
 
 
@@ -185,14 +185,14 @@ def test_reset_drops_only_unreferenced_blocks() -> None:
     dropped = computed(bm, list(range(50, 59)))
     bm.deallocate(dropped)
     assert bm.reset_prefix_cache() == 2
-    assert bm.match_prefix(Sequence(list(range(50, 59)), max_tokens=8)) == 0
-    assert bm.match_prefix(Sequence(list(range(9)), max_tokens=8)) == 8
+    assert bm.num_prefix_hit_tokens(Sequence(list(range(50, 59)), max_tokens=8)) == 0
+    assert bm.num_prefix_hit_tokens(Sequence(list(range(9)), max_tokens=8)) == 8
     assert kept.block_table and bm.num_free_blocks == 5
     bm.check_invariants()
 
 
 def test_disabled_prefix_cache_shares_nothing() -> None:
-    bm = BlockManager(16, BS, enable_prefix_cache=False)
+    bm = BlockManager(16, BS, enable_prefix_caching=False)
     a = computed(bm, list(range(13)))
     b = computed(bm, list(range(13)))
     assert not set(a.block_table) & set(b.block_table)

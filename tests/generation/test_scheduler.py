@@ -102,7 +102,7 @@ class FakeRunner:
 def make(num_blocks: int = 64, prefix_cache: bool = True, **config: int | bool) -> tuple[Scheduler, FakeRunner]:
     defaults = {"block_size": BS, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64}
     cfg = SchedulerConfig(**{**defaults, **config})
-    bm = BlockManager(num_blocks, BS, enable_prefix_cache=prefix_cache)
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_cache)
     return Scheduler(cfg, bm), FakeRunner(bm)
 
 
