@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from rag.errors import ConfigError
 from rag.types import Hit
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ class BatchedReranker:
             self._score_requests, max_requests, name="rerank-batcher")
 
     def rerank(self, query: str, hits: Sequence[Hit], top_n: int | None = None) -> list[Hit]:
+        # As CrossEncoderReranker does: a negative top_n would slice off the last hits unnoticed.
+        if top_n is not None and top_n < 0:
+            raise ConfigError(f"top_n must be >= 0 or None, got {top_n}")
         if not hits or top_n == 0:
             return []
         scores = self.batcher((query, [h.text for h in hits]))

@@ -187,6 +187,10 @@ class CrossEncoderReranker:
     @staticmethod
     def apply_scores(hits: Sequence[Hit], scores: Sequence[float], top_n: int | None = None) -> list[Hit]:
         """Hits carrying their new scores, best first (ties keep their input order)."""
+        # One text, one score: copies scored in different batches (padded to other lengths)
+        # differ in the last bits, which would reorder them against "ties keep input order".
+        first_score: dict[str, float] = {}
+        scores = [first_score.setdefault(h.text, s) for h, s in zip(hits, scores, strict=True)]
         rescored = [replace(h, score=s) for h, s in zip(hits, scores, strict=True)]
         rescored.sort(key=lambda h: -h.score)  # list.sort is stable: ties keep input order
         return rescored if top_n is None else rescored[:top_n]
