@@ -235,14 +235,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # The limits the scheduler shares are checked by the same function it uses, so both
         # refuse the same values with the same words.
-        check_engine_limits(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            num_scheduler_steps=self.num_scheduler_steps,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-        )
+        check_engine_limits(self)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -41,14 +41,7 @@ class SchedulerConfig:
         # The engine resolves EngineConfig's None (model context, device default) before building this.
         if self.max_model_len is None or self.num_scheduler_steps is None:
             raise ValueError("SchedulerConfig needs max_model_len and num_scheduler_steps as numbers, not None")
-        check_engine_limits(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            num_scheduler_steps=self.num_scheduler_steps,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-        )
+        check_engine_limits(self)
 
 
 @dataclass(frozen=True, slots=True)
