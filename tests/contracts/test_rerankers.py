@@ -12,6 +12,8 @@ A reranker only ever sees hits that already passed the permission post-check
 (`retrieval/retriever.py`). So the contract is about identity: it returns new `Hit`s for a subset
 of its input, best first by its own score, with every other field unchanged, and it fetches
 nothing (no file, database or network access while it reranks: checked with an audit hook).
+
+A new Reranker implementation: add its name to IMPLEMENTATIONS and build it in `reranker`.
 """
 
 from __future__ import annotations
@@ -360,3 +362,23 @@ def test_only_the_given_hits_come_back_and_nothing_is_fetched(reranker):
     assert {h.chunk_id for h in out} <= {h.chunk_id for h in allowed}
     assert all(h.text != RELEVANT for h in out)  # the best passage exists, but was not given
     assert io == []
+
+
+def test_the_io_recorder_sees_files_databases_and_sockets(tmp_path):
+    # The check above is only as good as the hook: a reranker that fetched must be caught.
+    import socket
+    import sqlite3
+
+    class FetchingReranker:
+        def rerank(self, query, hits, top_n=None):
+            sqlite3.connect(tmp_path / "catalog.sqlite").close()
+            (tmp_path / "chunk.txt").open("w").close()
+            with socket.socket() as s, pytest.raises(OSError):
+                s.connect(("127.0.0.1", 9))  # the discard port: nothing listens, it is refused
+            return list(hits)
+
+    _, io = _rerank_recording_io(FetchingReranker(), SLURM, [])
+    assert {"sqlite3.connect", "open", "socket.connect"} <= set(io)
+    seen = list(io)
+    (tmp_path / "after.txt").write_text("")
+    assert io == seen  # recording stops when the call returns
