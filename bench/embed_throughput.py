@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ingest.embed import Embedder, EmbedderConfig
+from ingest.embed.embedder import Embedder, EmbedderConfig
 
 # Token counts (with [CLS] and [SEP]) of the 140 chunks `rag ingest examples/lab-docs` made
 # (chunk_max_tokens 200, overlap 32), in catalog order: a fixed corpus, recorded when this
@@ -90,7 +90,7 @@ def prepare_folders(out: Path) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from ingest.embed import default_embedder_path
+    from ingest.embed.embedder import default_embedder_path
 
     src = default_embedder_path()
     files = ["config_sentence_transformers.json", "modules.json", "special_tokens_map.json", "tokenizer.json",
@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2048, help="texts embedded once by each before timing")
     ap.add_argument("--reps", type=int, default=2, help="timed runs of each; the best is reported")
     ap.add_argument("--budget-scale", type=int, default=1, help="also run ours with this times the token budget")
-    ap.add_argument("--old", help="path to an older ingest/embed.py to measure too")
+    ap.add_argument("--old", help="path to an older ingest/embed/embedder.py to measure too")
     ap.add_argument("--no-st", action="store_true", help="skip sentence-transformers")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

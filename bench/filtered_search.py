@@ -10,9 +10,9 @@ search in numpy, and the exact search itself (a flat Faiss index with the allow-
 ID selector) is the latency peer.
 
 Stores, each through our own code:
-- faiss-hnsw: the embedded default's catalog (SQLite ACL table -> allow-list) + `HnswStore`;
+- faiss-hnsw: the embedded default's catalog (SQLite ACL table -> allow-list) + `HnswIndex`;
   "store only" times the vector search given the allow-list, "with catalog" adds the lookup.
-- pgvector: `PgCollection` (HNSW, ACL filter in the WHERE clause, iterative index scan).
+- pgvector: `PgvectorCollection` (HNSW, ACL filter in the WHERE clause, iterative index scan).
 - pgvector, no iterative scan: the same SQL with `hnsw.iterative_scan = off`, to show why
   it matters: the index hands back its ef_search nearest rows and the filter then drops most.
 
@@ -38,9 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rag.types import Chunk, Document  # noqa: E402
-from retrieval.catalog import Catalog  # noqa: E402
-from retrieval.index import CollectionIndex  # noqa: E402
-from retrieval.stores.faiss import FaissStore  # noqa: E402
+from retrieval.stores.embedded.catalog import Catalog  # noqa: E402
+from retrieval.stores.embedded.collection import EmbeddedCollection  # noqa: E402
+from retrieval.vectors.faiss_flat import FlatIndex  # noqa: E402
 
 GROUPS = 100
 CHUNKS_PER_DOC = 10
@@ -133,14 +133,14 @@ def main() -> None:
     t = time.perf_counter()
     catalog = Catalog(work / "catalog.sqlite")
     info = catalog.create_collection("bench", "random", "random", args.dim, {})
-    index = CollectionIndex(catalog, info, None, "faiss-hnsw")
+    index = EmbeddedCollection(catalog, info, None, "faiss-hnsw")
     index.store.ef_search = args.faiss_ef
     for doc, acl, chunks, rows_ in documents(vecs, doc_group):
         index.replace_document(doc, acl, chunks, rows_)
     index.store.sync()  # graph inserts are batched until the first search; build it before timing
     print(f"# faiss-hnsw built in {time.perf_counter() - t:.0f} s (catalog writes + graph, M=32, efC=80)")
     ids, _ = catalog.vectors("bench")  # catalog chunk ids, in insertion order
-    flat = FaissStore(args.dim)
+    flat = FlatIndex(args.dim)
     flat.add(ids, vecs)
 
     truth: dict[str, list[set[int]]] = {}
@@ -175,9 +175,9 @@ def main() -> None:
 def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
     import psycopg
 
-    from rag.db import LocalPostgres
-    from retrieval.stores.pg_schema import hnsw_index_name
-    from retrieval.stores.pgvector import chunk_id, create_collection
+    from rag.local_postgres.server import LocalPostgres
+    from retrieval.stores.pgvector.collection import chunk_id, create_collection
+    from retrieval.stores.pgvector.schema import hnsw_index_name
 
     server = None
     dsn = args.dsn
@@ -236,7 +236,7 @@ if __name__ == "__main__":
     parser.add_argument("--data", choices=["clustered", "isotropic"], default="clustered",
                         help="isotropic Gaussian vectors are the worst case for graph indexes")
     parser.add_argument("--queries", type=int, default=200)
-    parser.add_argument("--faiss-ef", type=int, default=128, help="HnswStore base efSearch (widened by selectivity)")
+    parser.add_argument("--faiss-ef", type=int, default=128, help="HnswIndex base efSearch (widened by selectivity)")
     parser.add_argument("--pg-ef", type=int, default=100, help="pgvector hnsw.ef_search")
     parser.add_argument("--pg-max-scan", type=int, default=20_000, help="pgvector hnsw.max_scan_tuples")
     parser.add_argument("--dsn", help="an existing PostgreSQL with pgvector (default: a throwaway local one)")

@@ -32,7 +32,7 @@ RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
 ALONE = """
 import json, sys, time
 import torch
-from ingest.embed import Embedder, EmbedderConfig
+from ingest.embed.embedder import Embedder, EmbedderConfig
 texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
 emb = Embedder(EmbedderConfig(model=sys.argv[2], device="cuda"))
 emb.embed(texts[:2048]); torch.cuda.synchronize()   # warm-up: kernels, allocator

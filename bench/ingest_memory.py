@@ -110,7 +110,7 @@ def _quantile(values: list[int], q: float) -> float:
 
 def state_bytes(home: Path) -> tuple[int, int, int]:
     """(documents, chunks, bytes of the per-document state an ingest run holds) for a data directory."""
-    from retrieval.catalog import Catalog
+    from retrieval.stores.embedded.catalog import Catalog
 
     catalog = Catalog(home / "catalog.sqlite")
     stats = catalog.collection_stats("default")
@@ -125,7 +125,7 @@ def state_bytes(home: Path) -> tuple[int, int, int]:
 
 def start_postgres(home: Path) -> str:
     """Start (or find) the local PostgreSQL + pgvector server of `home`; its DSN."""
-    from rag.db import local_dsn
+    from rag.local_postgres.server import local_dsn
 
     subprocess.run(RAG + ["--home", str(home), "db", "start"], check=True, capture_output=True)
     dsn = local_dsn(home)

@@ -56,8 +56,8 @@ def ingest(home: Path, corpus: Path) -> tuple[dict, float]:
 
 def embedder_alone(home: Path) -> tuple[int, int, float]:
     """The embedder alone on the collection's chunk texts: (chunks, tokens, seconds)."""
-    from ingest.embed import Embedder, EmbedderConfig
-    from retrieval.catalog import Catalog
+    from ingest.embed.embedder import Embedder, EmbedderConfig
+    from retrieval.stores.embedded.catalog import Catalog
 
     catalog = Catalog(home / "catalog.sqlite")
     texts = [r["text"] for r in catalog.dump("default")]

@@ -155,7 +155,7 @@ def build_corpus(home: Path, n_chunks: int, source_tokens: int, n_users: int, se
         dim = 8
         rag.catalog.create_collection(COLLECTION, "bench-random-vectors", f"bench-random-vectors-{dim}", dim,
                                       {"max_tokens": source_tokens, "overlap_tokens": 0})
-        index = rag.index(COLLECTION)
+        index = rag.collection(COLLECTION)
         key_order = rng.permutation(n_chunks)  # document keys (the prompt's canonical order) vs popularity
         acl = frozenset({"public"})
         for i in range(n_chunks):

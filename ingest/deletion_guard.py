@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingest.sources import is_under
 from rag.errors import IngestError
 
 DEFAULT_MAX_DELETE_FRACTION = 0.5
@@ -83,9 +84,3 @@ class DeletionGuard:
             return None
         return DeletionRefusal(would_delete, documents, self.max_fraction)
 
-
-def is_under(key: str, root: Path) -> bool:
-    """Whether a document key (a path, or PATH#RECORD) is `root` or lies below it."""
-    path = key.split("#", 1)[0]
-    r = str(root)
-    return path == r or path.startswith(r.rstrip("/") + "/")

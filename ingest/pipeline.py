@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from ingest.sources import (
     SourceProblem,
     count_sources,
     has_sources,
+    is_under_any,
     scan_roots,
     walk_sources,
 )
@@ -45,8 +45,7 @@ from ingest.staging import ChunkStaging
 from ingest.vanished import NOBODY, Holds, restrict, settle_vanished
 from rag.errors import IngestError
 from retrieval.base import CollectionStore
-from retrieval.catalog import DocumentState
-from retrieval.rebuild import BuildOutcome, CollectionBuild
+from retrieval.records import BuildOutcome, DocumentCounts, DocumentState
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +78,10 @@ class Skipped:
 
 
 @dataclass
-class IngestReport:
+class IngestReport(DocumentCounts):
     """What a run did; `ok` is False when any source failed, any ACL could not be determined, or
     deletions were refused."""
 
-    added: int = 0
-    updated: int = 0
-    unchanged: int = 0
-    acl_updated: int = 0
-    deleted: int = 0
-    chunks_written: int = 0
     tokens_embedded: int = 0
     chunks_embedded: int = 0  # sent to the embedder by this run
     chunks_resumed: int = 0  # embedded by an interrupted run (staged), not again by this one
@@ -140,7 +133,7 @@ class IngestReport:
 class IngestPipeline:
     """Brings a collection in line with the sources under some paths."""
 
-    def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray],
+    def __init__(self, store: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray],
                  chunker: Chunker, batch_chunks: int = 256, namer: SourceNamer | None = None,
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
@@ -149,7 +142,7 @@ class IngestPipeline:
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
                 everything under a root that yields nothing).
-            index: where documents go; a `retrieval.rebuild.CollectionBuild` is promoted at the end
+            store: where documents go; a rebuild (`retrieval.rebuild.CollectionBuild`) is switched to at the end
                 of a run that completed it.
             batch_chunks: chunks embedded per call; parsed documents wait for the embedder until
                 their chunks fill a batch, so this bounds what a run holds besides stored states.
@@ -164,7 +157,7 @@ class IngestPipeline:
         self.max_document_bytes = max_document_bytes
         self.staging_path = staging_path
         self.stream_above_bytes = stream_above_bytes
-        self.index = index
+        self.store = store
         self.embed = embed
         self.chunker = chunker
         self.batch_chunks = batch_chunks
@@ -202,12 +195,12 @@ class IngestPipeline:
                 progress("scan", 0, 0)
                 total = count_sources(roots)
             # Shrinks as sources are found: what is left at the end has no source any more.
-            stored = self.index.document_states()
+            stored = self.store.document_states()
             self.guard.check_roots(roots, stored, has_sources)
         if progress:
             progress("ingest", 0, total)
-        if isinstance(self.index, CollectionBuild):
-            log.info("%s", self.index.notice)
+        if self.store.notice:
+            log.info("%s", self.store.notice)
 
         def mine(key: str) -> bool:
             return shard is None or shard_of(key, shard[1]) == shard[0]
@@ -219,14 +212,14 @@ class IngestPipeline:
         num_mine = len(stored) if shard is None else max(
             sum(1 for key in stored if mine(key)), -(-(collection_documents or len(stored)) // shard[1]))
         holds = Holds()  # problems that speak for documents the walk could not see
-        staging = ChunkStaging(self.staging_path, _staging_scope(self.index))
+        staging = ChunkStaging(self.staging_path, _staging_scope(self.store))
 
         def on_batch(counts: CommitCounts) -> None:
             if progress:  # moves within a huge document too: one step per embed batch
                 progress("embed", counts.chunks_embedded + counts.chunks_resumed, 0)
                 progress("tokens", counts.tokens_embedded, 0)
 
-        committer = BatchCommitter(self.index, self.embed, self.batch_chunks, staging,
+        committer = BatchCommitter(self.store, self.embed, self.batch_chunks, staging,
                                    lambda entry: _count_written(entry, report), clock, on_batch)
         for n, item in enumerate(_timed(walk_sources(roots, namer=self.namer), clock, "scan"), 1):
             is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
@@ -251,18 +244,19 @@ class IngestPipeline:
         report.chunks_resumed = committer.counts.chunks_resumed
 
         with clock("delete"):
-            report.acl_errors.extend(holds.restrict_ambiguous(self.index, mine))
-            vanished = {k: s for k, s in stored.items() if mine(k) and _under_any(k, roots)}
-            outcome = settle_vanished(self.index, vanished, holds, self.guard, num_mine)
+            report.acl_errors.extend(holds.restrict_ambiguous(self.store, mine))
+            vanished = {k: s for k, s in stored.items() if mine(k) and is_under_any(k, roots)}
+            outcome = settle_vanished(self.store, vanished, holds, self.guard, num_mine)
             report.deleted = outcome.deleted
             report.acl_errors.extend(outcome.held)
             report.deletion_refused = outcome.refusal
         with clock("save"):
-            self.index.save()
+            self.store.save()
         staging.remove()  # everything staged was written (or its source failed)
-        if isinstance(self.index, CollectionBuild):
-            with clock("switch"):
-                report.build = self.index.finish()
+        switch_started = time.perf_counter()
+        report.build = self.store.finish()  # a rebuild switches to its new version here when complete
+        if report.build is not None:
+            report.seconds["switch"] = time.perf_counter() - switch_started
         report.seconds["total"] = time.perf_counter() - started
         return report
 
@@ -276,7 +270,7 @@ class IngestPipeline:
             report.widened.append(Widening(problem.key, old.acl, acl))
         if old.acl != acl:
             with clock("write"):
-                restrict(self.index, problem.key, acl)
+                restrict(self.store, problem.key, acl)
 
     def _one(self, item: SourceItem, old: DocumentState | None, report: IngestReport,
              committer: BatchCommitter, clock: _Clock) -> None:
@@ -287,7 +281,7 @@ class IngestPipeline:
         if old is not None and old.content_hash == item.content_hash:
             if old.acl != item.acl:
                 with clock("write"):
-                    self.index.set_acl(item.key, item.acl)
+                    self.store.set_acl(item.key, item.acl)
                 report.acl_updated += 1
             else:
                 report.unchanged += 1
@@ -354,7 +348,7 @@ class IngestPipeline:
         # ACL now: it may have been narrowed (or be unknown) since that version was written.
         if old is not None and old.acl != item.acl:
             with clock("write"):
-                restrict(self.index, item.key, item.acl)
+                restrict(self.store, item.key, item.acl)
 
 
 def _count_written(entry: OpenDocument, report: IngestReport) -> None:
@@ -366,25 +360,16 @@ def _count_written(entry: OpenDocument, report: IngestReport) -> None:
         report.updated += 1
 
 
-def _staging_scope(index: CollectionStore) -> str:
+def _staging_scope(store: CollectionStore) -> str:
     """What staged vectors are valid for: this collection, embedder and chunking."""
-    info = index.info
-    return json.dumps([index.name, info.embedder, info.fingerprint, info.dim, info.chunking], sort_keys=True)
+    info = store.info
+    return json.dumps([store.name, info.embedder, info.fingerprint, info.dim, info.chunking], sort_keys=True)
 
 
 def shard_of(key: str, count: int) -> int:
     """Stable shard of a document key in [0, count): the same on every machine and run."""
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % count
-
-
-def _under_any(key: str, roots: Sequence[Path]) -> bool:
-    path = key.split("#", 1)[0]
-    for root in roots:
-        r = str(root)
-        if path == r or path.startswith(r.rstrip(os.sep) + os.sep):
-            return True
-    return False
 
 
 def _rate(count: int, seconds: float | None) -> float:

@@ -81,6 +81,18 @@ def scan_roots(paths: Sequence[Path | str]) -> list[Path]:
     return roots
 
 
+def is_under(key: str, root: Path) -> bool:
+    """Whether a document key (a path, or PATH#RECORD) is `root` or lies below it."""
+    path = key.split("#", 1)[0]
+    r = str(root)
+    return path == r or path.startswith(r.rstrip(os.sep) + os.sep)
+
+
+def is_under_any(key: str, roots: Sequence[Path]) -> bool:
+    """Whether a document key lies at or under one of `roots` (the paths an ingest walked)."""
+    return any(is_under(key, root) for root in roots)
+
+
 def walk_sources(
     paths: Sequence[Path | str], follow_symlinks: bool = False, namer: SourceNamer | None = None
 ) -> Iterator[SourceItem | SourceProblem]:

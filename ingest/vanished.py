@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ingest.acl_changes import AclProblem
-from ingest.deletion_guard import DeletionGuard, DeletionRefusal, is_under
-from ingest.sources import COVERS_AGAIN, COVERS_RECORDS, COVERS_TREE, SourceProblem
+from ingest.deletion_guard import DeletionGuard, DeletionRefusal
+from ingest.sources import COVERS_AGAIN, COVERS_RECORDS, COVERS_TREE, SourceProblem, is_under
 from rag.errors import NotFoundError
 from retrieval.base import CollectionStore
-from retrieval.catalog import DocumentState
+from retrieval.records import DocumentState
 
 NOBODY = frozenset[str]()
 

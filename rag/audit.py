@@ -5,7 +5,7 @@ user was known), `key_id`, `via_proxy`, `collection`, `question_sha256`, `questi
 `audit_questions = true`), `cited` (document keys, never text), `status` (HTTP), `latency_ms`
 and `stream`. The file is opened O_APPEND with mode 0600 and each entry is one write(), so
 concurrent writers never interleave and nothing rewrites what is there. No API route reads it:
-`rag audit` (rag/cli_audit.py) is the operator's tool.
+`rag audit` (rag/cli/audit.py) is the operator's tool.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import hmac
 import os
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -32,12 +31,13 @@ from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
 from rag.settings import Settings, check_collection_name
 from rag.types import Answer, Hit
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
+from retrieval.records import BuildSpec
 from retrieval.retriever import Retriever, check_mode
+from retrieval.stores import CollectionStores
+from retrieval.stores.embedded.catalog import Catalog
 
 if TYPE_CHECKING:
-    from ingest.embed import Embedder
+    from ingest.embed.embedder import Embedder
     from retrieval.base import CollectionStore
     from retrieval.rerank import CrossEncoderReranker
 
@@ -53,8 +53,7 @@ class Rag:
         ensure_private_dir(settings.home, fix=settings.home_permissions == "fix")
         self.catalog = Catalog(settings.catalog_path)
         self.identity = IdentityStore(settings.catalog_path)
-        self._indexes: dict[str, CollectionIndex] = {}
-        self._lock = threading.Lock()
+        self.stores = CollectionStores(settings.store, lambda: self.catalog, settings.index_dir, lambda: self.dsn)
 
     async def aclose_generator(self) -> None:
         """Stop the generator from the event loop that used it (the API's lifespan calls this)."""
@@ -79,17 +78,14 @@ class Rag:
             if close_embedder is not None:
                 close_embedder()
         self.catalog.close()
-        for index in self._indexes.values():
-            close = getattr(index, "close", None)
-            if close is not None:
-                close()
+        self.stores.close()
         self.identity.close()
 
     # -- models (lazy: a query with --no-generate never loads the generator) ------------
 
     @cached_property
     def embedder(self) -> Embedder:
-        from ingest.embed import Embedder, EmbedderConfig
+        from ingest.embed.embedder import Embedder, EmbedderConfig
 
         devices = tuple(self.settings.embed_devices) if self.settings.embed_devices else None
         return Embedder(EmbedderConfig(model=self.settings.embedder, device=self.settings.device,
@@ -105,66 +101,35 @@ class Rag:
 
     # -- collections ---------------------------------------------------------------------
 
-    def index(self, collection: str | None = None, create: bool = False) -> CollectionStore:
+    def collection(self, name: str | None = None, create: bool = False) -> CollectionStore:
         """A collection's store (NotFoundError if it does not exist and not `create`).
 
-        The SQLite catalog + a Faiss/memory vector store, or PostgreSQL with pgvector when
-        `settings.store == "pgvector"`. Without `create` this is always the live collection,
-        the one queries read. With `create` (what ingest writes to), the collection is created
-        if new; when this run's embedder or chunking settings differ from the collection's, it
-        returns the collection's next version, built beside the live one and switched to when
-        complete (`retrieval.rebuild.CollectionBuild`, `retrieval.stores.pg_rebuild`).
+        The backend is the `store` setting's (`retrieval.stores.CollectionStores`). Without
+        `create` this is always the live collection, the one queries read. With `create` (what
+        ingest writes to), the collection is created if new; when this run's embedder or
+        chunking settings differ from the collection's, it returns the collection's next
+        version, built beside the live one and switched to by its `finish()` when complete
+        (`retrieval.rebuild`).
         """
-        name = check_collection_name(collection or self.settings.collection)
-        with self._lock:
-            if name in self._indexes and not create:
-                return self._indexes[name]
-            spec = None
-            if create:
-                from ingest.chunk import ChunkingConfig
-                from retrieval.rebuild import BuildSpec
+        name = check_collection_name(name or self.settings.collection)
+        if not create:
+            return self.stores.open(name)
+        return self.stores.for_ingest(name, self.build_spec())
 
-                cfg = ChunkingConfig(self.settings.chunk_max_tokens, self.settings.chunk_overlap_tokens)
-                spec = BuildSpec(self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
-                                 {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens})
-            if self.settings.store == "pgvector":
-                from retrieval.stores import pgvector
+    def build_spec(self) -> BuildSpec:
+        """What an ingest with these settings builds a collection with: embedder and chunking."""
+        from ingest.chunk import ChunkingConfig
 
-                if spec is None:
-                    if name not in self._indexes:
-                        self._indexes[name] = pgvector.open_collection(self.dsn, name)
-                    return self._indexes[name]
-                from retrieval.stores import pg_rebuild
-
-                target = pg_rebuild.open_for_ingest(self.dsn, name, spec)
-                if isinstance(target, pgvector.PgCollection):
-                    if name in self._indexes:  # keep the open one (its connection); same generation
-                        target.close()
-                        self._indexes[name].refresh()
-                        return self._indexes[name]
-                    self._indexes[name] = target
-                return target
-
-            def open_live() -> CollectionIndex:
-                if name not in self._indexes:
-                    self._indexes[name] = CollectionIndex(
-                        self.catalog, self.catalog.get_collection(name), self.settings.index_dir,
-                        self.settings.store)
-                return self._indexes[name]
-
-            if spec is None:
-                return open_live()
-            from retrieval.rebuild import open_for_ingest
-
-            return open_for_ingest(self.catalog, name, spec, self.settings.index_dir, self.settings.store,
-                                   open_live)
+        cfg = ChunkingConfig(self.settings.chunk_max_tokens, self.settings.chunk_overlap_tokens)
+        return BuildSpec(self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
+                         {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens})
 
     @cached_property
     def dsn(self) -> str:
         """The PostgreSQL URL of the pgvector store: settings.dsn, else the local server."""
         if self.settings.dsn:
             return self.settings.dsn
-        from rag.db import local_dsn
+        from rag.local_postgres.server import local_dsn
 
         dsn = local_dsn(self.settings.home)
         if dsn is None:
@@ -174,11 +139,7 @@ class Rag:
         return dsn
 
     def collection_names(self) -> list[str]:
-        if self.settings.store == "pgvector":
-            from retrieval.stores.pgvector import list_collections
-
-            return sorted(list_collections(self.dsn))
-        return self.catalog.collection_names()
+        return self.stores.names()
 
     def ingest(self, paths: Sequence[Path], collection: str | None = None,
                progress: ProgressFn | bool | None = None, shard: tuple[int, int] | None = None,
@@ -191,7 +152,7 @@ class Rag:
                 ProgressFn, called with (stage, done, total).
             shard: (index, count): write only the documents of this hash partition into the
                 collection itself (pgvector, which takes concurrent writers); the embedded store
-                shards into separate data directories instead (`ingest.shards.ingest_shard`).
+                shards into separate data directories instead (`rag.shards.run.ingest_shard`).
             allow_mass_delete: delete whatever is gone, past `max_delete_fraction` of the
                 collection and under roots that yield nothing (see ingest/deletion_guard.py).
         """
@@ -207,19 +168,19 @@ class Rag:
                 shard: tuple[int, int] | None, allow_mass_delete: bool) -> IngestReport:
         from ingest.chunk import Chunker, ChunkingConfig
 
-        index = self.index(collection, create=True)
-        chunking = index.info.chunking
+        store = self.collection(collection, create=True)
+        chunking = store.info.chunking
         chunker = Chunker(self.embedder.tokenizer,
                           ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
         namer = SourceNamer(self.settings.source_urls)
         guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
         # Chunks of a document spanning several embed batches wait here (ingest/staging.py).
         staging = self.settings.home / "staging" / (
-            f"{index.name}.sqlite" if shard is None else f"{index.name}.shard{shard[0]}of{shard[1]}.sqlite")
-        from ingest.embed import ingest_batch_chunks
+            f"{store.name}.sqlite" if shard is None else f"{store.name}.shard{shard[0]}of{shard[1]}.sqlite")
+        from ingest.embed.embedder import ingest_batch_chunks
 
         batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
-        return IngestPipeline(index, self.embedder.embed, chunker, batch_chunks=batch, namer=namer, guard=guard,
+        return IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer, guard=guard,
                               max_document_bytes=self.settings.max_document_bytes,
                               staging_path=staging).run(paths, progress, shard=shard)
 
@@ -232,22 +193,22 @@ class Rag:
         from permissions.policy import store_filter
 
         try:
-            index = self.index(name)
+            store = self.collection(name)
         except (NotFoundError, ConfigError):
             return False
-        index.refresh()
+        store.refresh()
         # An exact search with a zero query returns any readable chunk, and nothing else: the ACL
         # filter runs inside it as for every query.
-        return bool(index.search(_zero_query(index.info.dim), 1, sorted(store_filter(principal)), exact=True))
+        return bool(store.search(_zero_query(store.info.dim), 1, sorted(store_filter(principal)), exact=True))
 
     def readable_chunk(self, collection: str, chunk_id: int, principal: Principal):
         """The chunk record if it exists and `principal` may read it, else None (never says which)."""
         try:
-            index = self.index(collection)
+            store = self.collection(collection)
         except (NotFoundError, ConfigError):
             return None
-        index.refresh()
-        record = index.chunk_records([chunk_id]).get(chunk_id)
+        store.refresh()
+        record = store.chunk_records([chunk_id]).get(chunk_id)
         if record is None or not principal.can_read(record.acl):
             return None
         return record
@@ -265,20 +226,20 @@ class Rag:
         Query embeddings and rerank pairs of concurrent queries (the API runs each in its own
         thread) are batched into shared forward passes.
         """
-        index = self.index(collection)  # first: an unknown collection fails before models load
+        store = self.collection(collection)  # first: an unknown collection fails before models load
         use_rerank = self.settings.rerank if rerank is None else rerank
 
         def embed_query(question: str):
             # Loaded only for the dense leg; a collection built with another embedder would
             # return nonsense (or fail on the dimension), so refuse it by name.
-            if self.embedder.fingerprint != index.info.fingerprint:
+            if self.embedder.fingerprint != store.info.fingerprint:
                 raise ConfigError(
-                    f"collection {index.name!r} was built with embedder {index.info.embedder}, but this "
+                    f"collection {store.name!r} was built with embedder {store.info.embedder}, but this "
                     f"run uses {self.embedder.name}: set `embedder` to the collection's model, or use "
                     "--mode keyword, or re-ingest into a new collection")
             return self.query_embedder(question)
 
-        return Retriever(index, embed_query, self.batched_reranker if use_rerank else None)
+        return Retriever(store, embed_query, self.batched_reranker if use_rerank else None)
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:
@@ -382,7 +343,7 @@ class Rag:
         k = k if k is not None else self.settings.top_k
         if not 1 <= k <= 100:
             raise ConfigError(f"k must be between 1 and 100, got {k}")
-        self.index(collection)  # an unknown collection fails before any model loads
+        self.collection(collection)  # an unknown collection fails before any model loads
         mode = check_mode(mode or self.settings.mode)
         timings = self._load_retrieval_models(dense=mode != "keyword",
                                               rerank=self.settings.rerank if rerank is None else rerank)

@@ -1,19 +1,18 @@
-"""Protocols of the retrieval layer: vector stores that filter inside the search, rerankers."""
+"""Protocols of the retrieval layer: vector indexes that filter inside the search, collection stores,
+rerankers. Their record types are in `retrieval.records`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from rag.types import Chunk, Document, Hit
-
-if TYPE_CHECKING:
-    from retrieval.catalog import ChunkRecord, CollectionInfo, DocumentState
+from retrieval.records import BuildOutcome, ChunkRecord, CollectionInfo, DocumentState
 
 
-class VectorStore(Protocol):
+class VectorIndex(Protocol):
     """Inner-product search over L2-normalized vectors, restricted to allowed ids.
 
     The allow-list is applied inside the search (never by filtering a global top-k
@@ -53,9 +52,11 @@ class Reranker(Protocol):
 class CollectionStore(Protocol):
     """One collection's documents, chunks, ACLs and vectors, searchable under an ACL filter.
 
-    The embedded default is the SQLite catalog + a Faiss/memory vector store
-    (`retrieval.index.CollectionIndex`); `retrieval.stores.pgvector.PgCollection` keeps all
-    of it in PostgreSQL. Ingest, the retriever and the contract suite only use this protocol.
+    Backends (`retrieval.stores`): the embedded default is the SQLite catalog + a vector index
+    (`retrieval.stores.embedded.collection.EmbeddedCollection`);
+    `retrieval.stores.pgvector.collection.PgvectorCollection` keeps all of it in PostgreSQL. A
+    collection's next version being built beside it (`retrieval.rebuild.CollectionBuild`) is one
+    too. Ingest, the retriever, the jobs and the contract suite only use this protocol.
 
     `tokens` are a principal's ACL tokens (`permissions.policy.store_filter`): a chunk is
     searchable when its document's ACL names at least one of them. The filter is applied
@@ -64,6 +65,9 @@ class CollectionStore(Protocol):
     """
 
     info: CollectionInfo  # name, embedder, fingerprint, dim, chunking
+    # Set on a collection's next version being built (a rebuild): what to tell the person whose
+    # ingest writes it. None on a plain collection.
+    notice: str | None
 
     @property
     def name(self) -> str: ...
@@ -82,6 +86,13 @@ class CollectionStore(Protocol):
 
     def save(self) -> None:
         """Make writes durable for other readers (Faiss file); a no-op where writes already are."""
+        ...
+
+    def finish(self) -> BuildOutcome | None:
+        """End an ingest run, after `save`: a rebuild switches to the new version if it is complete.
+
+        Returns what the rebuild did; None for a plain collection (nothing to switch).
+        """
         ...
 
     # -- reads

@@ -1,6 +1,6 @@
 """Keyword terms of a user query, and a safe SQLite FTS5 MATCH expression built from them.
 
-The store-specific keyword searches (SQLite FTS5 in `retrieval.catalog`, Postgres full text
+The store-specific keyword searches (SQLite FTS5 in `retrieval.stores.embedded.keyword_index`, Postgres full text
 in the pgvector store) share `query_terms`, so both legs see the same words of a question.
 User text never reaches a query parser as syntax: every term becomes a quoted phrase.
 """

@@ -1,6 +1,6 @@
 """A real PostgreSQL + pgvector for tests: one throwaway server per session, a fresh database per test.
 
-The server is `rag.db.LocalPostgres` (the code path of `rag db start`) in a temporary directory,
+The server is `rag.local_postgres.server.LocalPostgres` (the code path of `rag db start`) in a temporary directory,
 tuned for speed over durability; like that one it wants a password, which every DSN here carries.
 Each test's database is cloned from a template that already has the `vector` extension, which
 halves the cost of CREATE DATABASE + CREATE EXTENSION per test.
@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from rag.db import LocalPostgres
+from rag.local_postgres.server import LocalPostgres
 
 TEMPLATE = "rag_test_template"
 # Nothing here has to survive a crash of the test session.

@@ -1,52 +1,111 @@
-"""Vector store implementations, by name."""
+"""Collection stores: where a collection's documents, chunks, ACLs and vectors live.
+
+One package per backend, each a `retrieval.base.CollectionStore` with its versioned rebuild:
+
+- `embedded`: the SQLite catalog (source of truth, keyword index) + a vector index file
+  (`retrieval.vectors`: flat Faiss, HNSW, IVF or in-memory), all under the data directory;
+- `pgvector`: everything in PostgreSQL, for many writers and shared servers.
+
+`CollectionStores` is the one place that picks a backend from the `store` setting; the
+service, ingest and the jobs above it only ever hold a `CollectionStore`. Backends are
+imported on first use, so the embedded default never loads the PostgreSQL driver.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rag.errors import ConfigError
-from retrieval.base import VectorStore
+from retrieval.vectors import VECTOR_INDEX_KINDS
 
-# Vector stores that sit beside the SQLite catalog (the embedded default). "faiss" is exact
-# (flat); the approximate ones keep the ACL filter inside the search too.
-STORE_KINDS = ("faiss", "faiss-hnsw", "faiss-ivf", "memory")
+if TYPE_CHECKING:
+    from retrieval.base import CollectionStore
+    from retrieval.records import BuildSpec
+    from retrieval.stores.embedded.catalog import Catalog
+
+PGVECTOR = "pgvector"
+BACKENDS = (*VECTOR_INDEX_KINDS, PGVECTOR)  # the values of the `store` setting
 
 
-def make_store(kind: str, dim: int, exact_below: int | None = None) -> VectorStore:
-    """Create an empty store of a registered kind.
+class CollectionStores:
+    """Opens the collections of one data directory's backend, and keeps the live ones open.
 
     Args:
-        kind: one of STORE_KINDS.
-        dim: vector dimension.
-        exact_below: for the approximate kinds, allow-lists of at most this many rows are
-            searched exactly (0: always search the graph / lists); None keeps the store's
-            default. The exact kinds ignore it.
-
-    Raises:
-        ConfigError: for an unknown kind.
+        kind: the `store` setting: a vector index kind of the embedded backend, or "pgvector".
+        catalog: the embedded backend's catalog (called only when that backend is used).
+        index_dir: where the embedded backend keeps its vector index files (None: in memory).
+        dsn: the PostgreSQL URL (called only when pgvector is used: it may start nothing, or fail
+            with a message saying how to configure one).
     """
-    if kind == "memory":
-        from retrieval.stores.memory import MemoryStore
 
-        return MemoryStore(dim)
-    if kind == "faiss":
-        from retrieval.stores.faiss import FaissStore
+    def __init__(self, kind: str, catalog: Callable[[], Catalog], index_dir: Path | None,
+                 dsn: Callable[[], str]) -> None:
+        self.kind = kind
+        self._catalog = catalog
+        self._index_dir = index_dir
+        self._dsn = dsn
+        self._live: dict[str, CollectionStore] = {}
+        self._lock = threading.Lock()
 
-        return FaissStore(dim)
-    if kind in ("faiss-hnsw", "faiss-ivf"):
-        from retrieval.stores.faiss_ann import HnswStore, IvfStore
+    @property
+    def is_pgvector(self) -> bool:
+        return self.kind == PGVECTOR
 
-        cls = HnswStore if kind == "faiss-hnsw" else IvfStore
-        return cls(dim) if exact_below is None else cls(dim, exact_below=exact_below)
-    raise ConfigError(f"unknown vector store {kind!r}; choose one of: {', '.join(STORE_KINDS)}")
+    def open(self, name: str) -> CollectionStore:
+        """The live collection `name`, the one queries read (NotFoundError if it does not exist)."""
+        with self._lock:
+            return self._open_live(name)
 
+    def for_ingest(self, name: str, spec: BuildSpec) -> CollectionStore:
+        """What an ingest with `spec` writes to: the collection (created if new) when it was built
+        the same way, else its next version, built beside the live one and switched to by
+        `finish()` once complete (`retrieval.rebuild`)."""
+        with self._lock:
+            if self.is_pgvector:
+                from retrieval.stores.pgvector.collection import PgvectorCollection
+                from retrieval.stores.pgvector.rebuild import open_for_ingest
 
-def load_store(kind: str, path: Path, dim: int, exact_below: int | None = None) -> VectorStore:
-    """Load a store saved by `save` (only the Faiss kinds persist); `exact_below` as in make_store."""
-    from retrieval.stores.faiss import FaissStore
-    from retrieval.stores.faiss_ann import HnswStore, IvfStore
+                target = open_for_ingest(self._dsn(), name, spec)
+                if isinstance(target, PgvectorCollection):
+                    if name in self._live:  # keep the open one (its connection); same generation
+                        target.close()
+                        self._live[name].refresh()
+                        return self._live[name]
+                    self._live[name] = target
+                return target
+            from retrieval.stores.embedded.rebuild import open_for_ingest
 
-    if kind == "faiss":
-        return FaissStore.load(path, dim)
-    cls = {"faiss-hnsw": HnswStore, "faiss-ivf": IvfStore}[kind]
-    return cls.load(path, dim) if exact_below is None else cls.load(path, dim, exact_below)
+            return open_for_ingest(self._catalog(), name, spec, self._index_dir, self.kind,
+                                   lambda: self._open_live(name))
+
+    def names(self) -> list[str]:
+        """The live collections, sorted."""
+        if self.is_pgvector:
+            from retrieval.stores.pgvector.schema import list_collections
+
+            return sorted(list_collections(self._dsn()))
+        return self._catalog().collection_names()
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._live.values():
+                close = getattr(store, "close", None)
+                if close is not None:
+                    close()
+            self._live.clear()
+
+    def _open_live(self, name: str) -> CollectionStore:
+        if name not in self._live:
+            if self.is_pgvector:
+                from retrieval.stores.pgvector.collection import open_collection
+
+                self._live[name] = open_collection(self._dsn(), name)
+            else:
+                from retrieval.stores.embedded.collection import EmbeddedCollection
+
+                catalog = self._catalog()
+                self._live[name] = EmbeddedCollection(catalog, catalog.get_collection(name), self._index_dir,
+                                                      self.kind)
+        return self._live[name]

@@ -1,9 +1,12 @@
 """Contract suite at the collection level: every backend behaves like the numpy reference.
 
-Backends: the SQLite catalog with each vector store (memory = the reference, Faiss flat,
+Backends: the SQLite catalog with each vector index (memory = the reference, Faiss flat,
 HNSW, IVF) and PostgreSQL with pgvector (a real throwaway server). HNSW and IVF also run
 with `exact_below=0` ("...:approx"), so the graph and the inverted lists themselves are
-searched rather than the exact path these small collections otherwise take. The reference
+searched rather than the exact path these small collections otherwise take. The stores an
+ingest writes to during a versioned rebuild ("...:build": the next version of a collection
+built with other settings, `retrieval.rebuild.CollectionBuild`) are collection stores too,
+and run the same suite. The reference
 answer is computed here from what was written, independently of any store: for a principal's
 tokens, the chunks of documents whose ACL names one of them, ranked by inner product.
 """
@@ -17,35 +20,58 @@ import pytest
 
 from rag.errors import NotFoundError, StoreError
 from rag.types import Chunk, Document
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
-from retrieval.stores.faiss_ann import HnswStore, IvfStore
+from retrieval.rebuild import CollectionBuild
+from retrieval.records import BuildSpec
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
+from retrieval.vectors.faiss_ann import HnswIndex, IvfIndex
 
 DIM = 16
 CATALOG_KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf", "faiss-hnsw:approx", "faiss-ivf:approx"]
-BACKENDS = [*CATALOG_KINDS, "pgvector"]
+BACKENDS = [*CATALOG_KINDS, "pgvector", "faiss:build", "pgvector:build"]
+CHUNKING = {"max_tokens": 64, "overlap_tokens": 0}
 GROUPS = [f"group:g{i}" for i in range(6)] + ["public", "user:alice", "user:bob"]
 
 
 def _open(kind: str, tmp_path, request):
-    if kind == "pgvector":
-        from retrieval.stores.pgvector import create_collection
-
-        dsn = request.getfixturevalue("pg_dsn")
-        return create_collection(dsn, "contract", "test-embedder", "fp-1", DIM,
-                                 {"max_tokens": 64, "overlap_tokens": 0})
     kind, _, mode = kind.partition(":")
+    if mode == "build":
+        return _open_build(kind, tmp_path, request)
+    if kind == "pgvector":
+        from retrieval.stores.pgvector.collection import create_collection
+
+        return create_collection(request.getfixturevalue("pg_dsn"), "contract", "test-embedder", "fp-1", DIM,
+                                 CHUNKING)
     catalog = Catalog(tmp_path / "catalog.sqlite")
-    info = catalog.create_collection("contract", "test-embedder", "fp-1", DIM,
-                                     {"max_tokens": 64, "overlap_tokens": 0})
-    return CollectionIndex(catalog, info, tmp_path / "indexes", kind,
-                           exact_below=0 if mode == "approx" else None)
+    info = catalog.create_collection("contract", "test-embedder", "fp-1", DIM, CHUNKING)
+    return EmbeddedCollection(catalog, info, tmp_path / "indexes", kind,
+                              exact_below=0 if mode == "approx" else None)
 
 
-def _approximate_store(store) -> HnswStore | IvfStore | None:
+def _open_build(kind: str, tmp_path, request):
+    """The next version of collection "contract", whose live version was built with other chunking."""
+    from retrieval.stores import CollectionStores
+
+    def catalog() -> Catalog:
+        return Catalog(tmp_path / "catalog.sqlite")
+
+    opened = catalog()
+    stores = CollectionStores(kind, lambda: opened, tmp_path / "indexes",
+                              lambda: request.getfixturevalue("pg_dsn"))
+    stores.for_ingest("contract", BuildSpec("test-embedder", "fp-1", DIM, {"max_tokens": 32, "overlap_tokens": 0}))
+    build = stores.for_ingest("contract", BuildSpec("test-embedder", "fp-1", DIM, CHUNKING))
+    assert isinstance(build, CollectionBuild) and build.notice
+    request.addfinalizer(opened.close)
+    request.addfinalizer(stores.close)
+    request.addfinalizer(lambda: getattr(build.build, "close", lambda: None)())
+    build.stores = stores  # for the test of finishing it
+    return build
+
+
+def _approximate_store(store) -> HnswIndex | IvfIndex | None:
     """The vector store of a backend that searches its graph / lists on every query, else None."""
-    vectors = getattr(store, "store", None)
-    if isinstance(vectors, HnswStore | IvfStore) and vectors.exact_below == 0:
+    vectors = getattr(store, "vectors", None)
+    if isinstance(vectors, HnswIndex | IvfIndex) and vectors.exact_below == 0:
         return vectors
     return None
 
@@ -95,8 +121,8 @@ class Corpus:
         rows.sort(key=lambda r: -r[1])
         return rows[:k]
 
-    def located(self, hits: list[tuple[int, float]]) -> list[tuple[tuple[str, int], float]]:
-        records = self.store.chunk_records([i for i, _ in hits])
+    def located(self, hits: list[tuple[int, float]], store=None) -> list[tuple[tuple[str, int], float]]:
+        records = (store or self.store).chunk_records([i for i, _ in hits])
         return [((records[i].document_key, records[i].index), s) for i, s in hits]
 
 
@@ -155,7 +181,7 @@ def test_filtered_topk_after_deletes_and_acl_changes(store):
         if ann is not None:  # every default-mode search went to the graph / lists
             assert ann.num_approximate_searches == searches  # fallbacks included
             assert ann.num_exact_searches == searches  # the exact=True ones only
-            assert not isinstance(ann, IvfStore) or ann.index.is_trained
+            assert not isinstance(ann, IvfIndex) or ann.index.is_trained
             assert ann.index.ntotal == ann.count()  # after the deletes: HNSW was rebuilt (compacted)
 
     check(15)
@@ -267,3 +293,32 @@ def test_chunk_records_carry_what_hits_need(store):
     for r in records.values():
         assert r.document_key == "rec" and r.source == "/lab/rec.md" and r.title == "rec"
         assert r.acl == frozenset({"group:g3", "user:alice"})
+
+
+@pytest.mark.parametrize("kind", ["faiss:build", "pgvector:build"])
+def test_a_finished_build_is_what_queries_read(kind, tmp_path, request):
+    """What ingest does at the end of a rebuild: save, finish, and the live collection is the build."""
+    build = _open(kind, tmp_path, request)
+    corpus = Corpus(build)
+    for d in range(12):
+        corpus.write(f"doc{d:02d}", int(corpus.rng.integers(1, 4)))
+    build.save()
+    outcome = build.finish()
+    assert outcome is not None and outcome.switched and outcome.generation == 2
+    live = build.stores.open("contract")
+    live.refresh()
+    chunks = sum(len(texts) for _, texts, _ in corpus.docs.values())
+    assert live.info.chunking == CHUNKING and live.stats() == {"documents": 12, "chunks": chunks}
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        tokens = rng.choice(GROUPS, size=2, replace=False).tolist()
+        q = _query(rng)
+        _assert_same(corpus.located(live.search(q, 8, tokens, exact=True), live), corpus.expected(q, 8, tokens))
+
+
+def test_a_plain_collection_has_nothing_to_finish(store):
+    if isinstance(store, CollectionBuild):
+        pytest.skip("a rebuild: finishing one is the test above")
+    Corpus(store).write("doc", 2)
+    store.save()
+    assert store.notice is None and store.finish() is None

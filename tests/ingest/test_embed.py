@@ -10,16 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from ingest.embed import (
-    DEFAULT_EMBEDDER_NAME,
-    Embedder,
-    EmbedderConfig,
-    default_embedder_path,
-)
-from ingest.embed_batches import TextEncoder, pad_rows, plan_batches
-from ingest.embed_prefetch import prefetch
-from ingest.embed_runner import RunnerSpec
-from ingest.embed_workers import EmbedWorkers
+from ingest.embed.batches import TextEncoder, pad_rows, plan_batches
+from ingest.embed.embedder import DEFAULT_EMBEDDER_NAME, Embedder, EmbedderConfig, default_embedder_path
+from ingest.embed.prefetch import prefetch
+from ingest.embed.runner import RunnerSpec
+from ingest.embed.workers import EmbedWorkers
 from rag.errors import ModelError
 
 # Belt and braces: the code loads with local_files_only, and a test must never reach a hub.
@@ -386,7 +381,7 @@ def test_all_gpus_give_the_vectors_of_one() -> None:
 
 
 def test_ingest_commits_smaller_embed_calls_on_a_cpu_than_on_a_gpu():
-    from ingest.embed import ingest_batch_chunks
+    from ingest.embed.embedder import ingest_batch_chunks
 
     assert ingest_batch_chunks("cpu", None) == 256  # a killed CPU run redoes ~8 s of work at most
     assert ingest_batch_chunks("cuda:0", None) == 4096  # small calls leave a GPU idle

@@ -22,8 +22,8 @@ from ingest.pipeline import IngestPipeline
 from ingest.sources import SourceItem, walk_sources
 from rag.errors import ParseError
 from rag.types import Element
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
 
 WORDS = ("centrifuge freezer buffer reagent microscope booking cluster node queue backup quota sample "
          "plate incubator sequencer pipette café naïve 日本 Zürich").split()
@@ -183,7 +183,7 @@ class _Collection:
         self.catalog = Catalog(tmp_path / "catalog.sqlite")
         chunking = {"max_tokens": SMALL.max_tokens, "overlap_tokens": SMALL.overlap_tokens}
         info = self.catalog.create_collection("c", embedder.name, embedder.fingerprint, embedder.dim, chunking)
-        self.index = CollectionIndex(self.catalog, info, tmp_path / "indexes")
+        self.index = EmbeddedCollection(self.catalog, info, tmp_path / "indexes")
         self.reader = Catalog(tmp_path / "catalog.sqlite")
         self.embedder = embedder
 

@@ -19,9 +19,9 @@ import pytest
 
 from ingest.deletion_guard import DeletionGuard, MassDeleteError
 from ingest.pipeline import shard_of
-from ingest.shards import ingest_shard
 from rag.errors import NotFoundError
-from retrieval.merge import merge_shards
+from rag.shards.merge import merge_shards
+from rag.shards.run import ingest_shard
 from tests.rag.conftest import rag_factory  # noqa: F401 - a fixture
 
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
@@ -126,7 +126,7 @@ def test_api_guard_on_both_stores(tmp_path, rag_factory, store) -> None:  # noqa
         f.unlink()
     with pytest.raises(MassDeleteError, match="holds 4 from it"):
         rag.ingest([tmp_path / "lab"])
-    assert rag.index().stats()["documents"] == 6
+    assert rag.collection().stats()["documents"] == 6
     # Two of the six documents gone is within the default half.
     other[0].unlink()
     other[1].unlink()
@@ -135,7 +135,7 @@ def test_api_guard_on_both_stores(tmp_path, rag_factory, store) -> None:  # noqa
     assert report.ok and report.deleted == 2 and report.added == 1
     report = rag.ingest([tmp_path / "lab"], allow_mass_delete=True)
     assert report.ok and report.deleted == 4
-    assert rag.index().stats()["documents"] == 1
+    assert rag.collection().stats()["documents"] == 1
     rag.close()
 
 
@@ -146,7 +146,7 @@ def test_setting_sets_the_fraction(tmp_path, rag_factory) -> None:  # noqa: F811
     files[0].unlink()
     report = rag.ingest([tmp_path / "lab"])
     assert report.deletion_refused is not None and report.deleted == 0 and not report.ok
-    assert rag.index().stats()["documents"] == 3
+    assert rag.collection().stats()["documents"] == 3
 
 
 def test_guard_rejects_a_fraction_outside_0_to_1() -> None:
@@ -163,7 +163,7 @@ def test_pgvector_shards_refuse_an_empty_root(tmp_path, rag_factory, pg_dsn) -> 
     for shard in range(3):
         with pytest.raises(MassDeleteError):
             ingest_shard(rag, [tmp_path / "lab"], None, shard, 3)
-    assert rag.index().stats()["documents"] == 6
+    assert rag.collection().stats()["documents"] == 6
     rag.close()
 
 
@@ -178,7 +178,7 @@ def test_embedded_shard_with_an_empty_root_never_merges(tmp_path, rag_factory) -
             ingest_shard(rag, [tmp_path / "lab"], None, shard, 2)
     with pytest.raises(NotFoundError, match="did not finish|missing"):
         merge_shards(rag)
-    assert rag.index().stats()["documents"] == 6
+    assert rag.collection().stats()["documents"] == 6
 
 
 def _notes_with_a_line_that_another_shard_reads(path: Path, n: int, num_shards: int) -> tuple[str, list[dict]]:
@@ -210,7 +210,7 @@ def test_pgvector_shards_keep_records_another_shard_could_not_read(tmp_path, rag
     assert sum(r.deleted for r in reports) == 0
     key = f"{notes.resolve()}#{rid}"
     assert [a.source for r in reports for a in r.acl_errors] == [key]
-    states = rag.index().document_states()
+    states = rag.collection().document_states()
     assert len(states) == 12 and states[key].acl == frozenset()  # kept, readable by nobody
     rag.close()
 
@@ -229,7 +229,7 @@ def test_embedded_shards_and_merge_keep_records_another_shard_could_not_read(
     assert sum(r.report.deleted for r in runs) == 0
     merged = merge_shards(rag)
     assert merged.counts.deleted == 0
-    states = rag.index().document_states()
+    states = rag.collection().document_states()
     key = f"{notes.resolve()}#{rid}"
     assert len(states) == 12 and states[key].acl == frozenset()
 

@@ -17,8 +17,8 @@ from ingest.chunk import Chunker, ChunkingConfig
 from ingest.pipeline import IngestPipeline
 from ingest.sources import SourceItem, count_sources, walk_sources
 from rag.types import Chunk, Document
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
 
 NUM_RECORDS = 1800
 NUM_FILES = 200
@@ -79,7 +79,7 @@ def test_documents_are_written_while_the_walk_goes_on(tmp_path: Path, corpus: Pa
     info = catalog.create_collection("c", embedder.name, embedder.fingerprint, embedder.dim,
                                      {"max_tokens": 200, "overlap_tokens": 32})
     _store_records_as_unchanged(catalog, "c", corpus, embedder.dim)
-    index = CollectionIndex(catalog, info, tmp_path / "indexes")
+    index = EmbeddedCollection(catalog, info, tmp_path / "indexes")
     pipeline = IngestPipeline(index, embedder.embed, Chunker(embedder.tokenizer, ChunkingConfig()),
                               batch_chunks=BATCH)
     walked: list[tuple[int, int]] = []  # (sources walked, of total) when each batch was written

@@ -23,9 +23,11 @@ from permissions.models import Principal
 from rag.pipeline import Rag
 from rag.settings import load_settings
 from rag.types import Chunk, Document
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
-from retrieval.rebuild import BuildSpec, CollectionBuild, open_for_ingest
+from retrieval.rebuild import CollectionBuild
+from retrieval.records import BuildSpec
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
+from retrieval.stores.embedded.rebuild import open_for_ingest
 
 NEW = {"chunk_max_tokens": 48, "chunk_overlap_tokens": 8}
 ANYONE = Principal("anyone")  # the corpus is public
@@ -73,7 +75,7 @@ def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_pat
     old_rows, old_texts = reader.catalog.dump("default"), _texts(reader)
 
     writer = _rag(home, embedder, **NEW)
-    target = writer.index(create=True)
+    target = writer.collection(create=True)
     assert isinstance(target, CollectionBuild)
     assert "building version 2" in target.notice and "queries use version 1" in target.notice
     seen_mid_run = []
@@ -99,7 +101,7 @@ def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_pat
     fresh = _rag(tmp_path / "fresh", embedder, **NEW)
     fresh.ingest([corpus])
     assert hits and {h.text for h in hits} <= _texts(fresh)
-    assert reader.index().info.chunking == {"max_tokens": 48, "overlap_tokens": 8}
+    assert reader.collection().info.chunking == {"max_tokens": 48, "overlap_tokens": 8}
     assert _collections(home) == [("default", 2)]
     _same_rows(reader.catalog.dump("default"), fresh.catalog.dump("default"))
     with sqlite3.connect(home / "catalog.sqlite") as db:
@@ -152,11 +154,11 @@ def test_embedder_change_switches_dimension_and_leftovers_are_dropped(tmp_path):
     index_dir = tmp_path / "indexes"
     old = BuildSpec("model-a", "fp-a", 16, {"max_tokens": 200, "overlap_tokens": 32})
     new = BuildSpec("model-b", "fp-b", 8, {"max_tokens": 200, "overlap_tokens": 32})
-    opened: dict[str, CollectionIndex] = {}
+    opened: dict[str, EmbeddedCollection] = {}
 
-    def open_live() -> CollectionIndex:
+    def open_live() -> EmbeddedCollection:
         if "c" not in opened:
-            opened["c"] = CollectionIndex(catalog, catalog.get_collection("c"), index_dir)
+            opened["c"] = EmbeddedCollection(catalog, catalog.get_collection("c"), index_dir)
         return opened["c"]
 
     def write(store, spec: BuildSpec, keys: list[str]) -> None:
@@ -178,7 +180,7 @@ def test_embedder_change_switches_dimension_and_leftovers_are_dropped(tmp_path):
     # Pretend the run died right after the switch, before the old version was dropped.
     retired = catalog.promote("c", build.info.name)
     assert catalog.collection_names() == ["c"] and retired == "c@1"
-    assert open_live().refresh() and open_live().info.dim == 8 and open_live().store.count() == 2
+    assert open_live().refresh() and open_live().info.dim == 8 and open_live().vectors.count() == 2
     assert open_live().search(np.eye(1, 8, dtype=np.float32)[0], 5, ["public"])
     # The next ingest drops the leftover (and its index file) before anything else.
     again = open_for_ingest(catalog, "c", new, index_dir, "faiss", open_live)
@@ -236,12 +238,12 @@ def test_a_killed_rebuild_resumes_into_the_same_version(tmp_path, embedder):
 
 def test_pgvector_chunking_change_builds_a_version_beside_the_live_one(tmp_path, embedder, pg_dsn):
     """pgvector: the same contract as the embedded store, with readers in other processes' shoes."""
-    from retrieval.stores.pg_schema import hidden_generations, list_collections
+    from retrieval.stores.pgvector.schema import hidden_generations, list_collections
 
     corpus = _corpus(tmp_path / "corpus")
     reader = _rag(tmp_path / "reader", embedder, store="pgvector", dsn=pg_dsn)
     reader.ingest([corpus])
-    old_texts = {r["text"] for r in reader.index().dump()}
+    old_texts = {r["text"] for r in reader.collection().dump()}
     # A rebuild from a/ only, while access to a/ is revoked.
     (corpus / "a" / ".rag-acl.toml").write_text('allow = ["group:alpha"]\n')
     writer = _rag(tmp_path / "writer", embedder, store="pgvector", dsn=pg_dsn, **NEW)
@@ -251,7 +253,7 @@ def test_pgvector_chunking_change_builds_a_version_beside_the_live_one(tmp_path,
     assert [(h.name, h.generation) for h in hidden_generations(pg_dsn, "default")] == [("default@2", 2)]
     assert list(list_collections(pg_dsn)) == ["default"]  # the build is not a collection of its own
     # Queries still read version 1 (and its chunks), with the revocation applied there.
-    assert {r["text"] for r in reader.index().dump()} == old_texts
+    assert {r["text"] for r in reader.collection().dump()} == old_texts
     hits = reader.query("freezer room", ANYONE, k=10, generate=False).hits
     assert hits and all("/b/" in h.document_key for h in hits)
     assert {h.text for h in hits} <= old_texts
@@ -264,7 +266,7 @@ def test_pgvector_chunking_change_builds_a_version_beside_the_live_one(tmp_path,
     hits = reader.query("freezer room", ANYONE, k=10, generate=False).hits
     fresh = _rag(tmp_path / "fresh", embedder, store="pgvector", dsn=pg_dsn, **NEW)
     fresh.ingest([corpus], collection="fresh")
-    new_texts = {r["text"] for r in fresh.index("fresh").dump()}
+    new_texts = {r["text"] for r in fresh.collection("fresh").dump()}
     assert hits and {h.text for h in hits} <= new_texts and not new_texts & old_texts
     assert list_collections(pg_dsn)["default"] == list_collections(pg_dsn)["fresh"]
     # Running again with the new settings changes nothing.
@@ -275,9 +277,9 @@ def test_pgvector_chunking_change_builds_a_version_beside_the_live_one(tmp_path,
 
 
 def test_pgvector_embedder_change_resumes_switches_dimension_and_drops_leftovers(pg_dsn):
-    from retrieval.stores import pg_rebuild
-    from retrieval.stores.pg_schema import hidden_generations
-    from retrieval.stores.pgvector import PgCollection
+    from retrieval.stores.pgvector import rebuild as pg_rebuild
+    from retrieval.stores.pgvector.collection import PgvectorCollection
+    from retrieval.stores.pgvector.schema import hidden_generations
 
     old = BuildSpec("model-a", "fp-a", 16, {"max_tokens": 200, "overlap_tokens": 32})
     new = BuildSpec("model-b", "fp-b", 8, {"max_tokens": 200, "overlap_tokens": 32})
@@ -289,16 +291,16 @@ def test_pgvector_embedder_change_resumes_switches_dimension_and_drops_leftovers
                                    np.eye(1, spec.dim, dtype=np.float32))
 
     live = pg_rebuild.open_for_ingest(pg_dsn, "c", old)
-    assert isinstance(live, PgCollection)
+    assert isinstance(live, PgvectorCollection)
     write(live, old, ["k1", "k2"])
     build = pg_rebuild.open_for_ingest(pg_dsn, "c", new)
-    assert isinstance(build, pg_rebuild.PgCollectionBuild) and build.info.dim == 8
+    assert isinstance(build, pg_rebuild.PgvectorBuild) and build.info.dim == 8
     write(build, new, ["k1"])
     assert build.finish().missing == 1
     build.close()
     # Killed here: the next run with the same embedder resumes version 2.
     build = pg_rebuild.open_for_ingest(pg_dsn, "c", new)
-    assert isinstance(build, pg_rebuild.PgCollectionBuild) and build.info.name == "c@2"
+    assert isinstance(build, pg_rebuild.PgvectorBuild) and build.info.name == "c@2"
     assert set(build.build.document_states()) == {"k1"}
     assert set(build.document_states()) == {"k1", "k2"}  # k2 still to do (its hash matches nothing)
     write(build, new, ["k2"])
@@ -312,11 +314,11 @@ def test_pgvector_embedder_change_resumes_switches_dimension_and_drops_leftovers
     assert live.stats() == {"documents": 2, "chunks": 2}
     # Settings going back to the old embedder start version 3 beside the live 2...
     back = pg_rebuild.open_for_ingest(pg_dsn, "c", old)
-    assert isinstance(back, pg_rebuild.PgCollectionBuild) and back.info.name == "c@3"
+    assert isinstance(back, pg_rebuild.PgvectorBuild) and back.info.name == "c@3"
     back.close()
     # ...and asking for version 2's settings again drops that unfinished build.
     again = pg_rebuild.open_for_ingest(pg_dsn, "c", new)
-    assert isinstance(again, PgCollection) and again.physical == "c@2"
+    assert isinstance(again, PgvectorCollection) and again.physical == "c@2"
     assert hidden_generations(pg_dsn, "c") == []
     for store in (live, again):
         store.close()
@@ -324,7 +326,7 @@ def test_pgvector_embedder_change_resumes_switches_dimension_and_drops_leftovers
 
 def test_pgvector_a_switch_by_one_shard_job_is_seen_by_the_others(pg_dsn):
     """Two shard jobs build the same version; the last to finish switches, the other finds it done."""
-    from retrieval.stores import pg_rebuild
+    from retrieval.stores.pgvector import rebuild as pg_rebuild
 
     old = BuildSpec("model-a", "fp-a", 4, {"max_tokens": 200, "overlap_tokens": 32})
     new = BuildSpec("model-a", "fp-a", 4, {"max_tokens": 100, "overlap_tokens": 16})

@@ -30,7 +30,7 @@ import pytest
 from permissions.models import Principal
 from rag.pipeline import Rag
 from rag.settings import load_settings
-from retrieval.catalog import Catalog
+from retrieval.stores.embedded.catalog import Catalog
 
 pytestmark = pytest.mark.slow  # seven `rag ingest` processes, each loading torch: minutes
 

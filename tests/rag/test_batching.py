@@ -79,7 +79,7 @@ def test_an_error_reaches_every_caller_of_its_batch_and_the_batcher_goes_on():
 
 @pytest.fixture(scope="module")
 def cpu_embedder():
-    from ingest.embed import Embedder, EmbedderConfig
+    from ingest.embed.embedder import Embedder, EmbedderConfig
 
     e = Embedder(EmbedderConfig(device="cpu"))
     yield e

@@ -282,7 +282,7 @@ def test_dead_engine_answers_503(tiny_app):
 def test_cli_refuses_two_keys(tmp_path):
     from typer.testing import CliRunner
 
-    from rag.cli import app
+    from rag.cli.main import app
     from rag.errors import ConfigError
 
     key_file = tmp_path / "key"

@@ -216,7 +216,7 @@ def test_serve_log_format_json_sets_up_json_logs(monkeypatch, tmp_path):
     import uvicorn as uvicorn_module
 
     import rag.api.app
-    from rag.cli import app as cli
+    from rag.cli.main import app as cli
 
     seen = {}
     monkeypatch.setattr(rag.api.app, "create_app", lambda settings: seen.setdefault("settings", settings))

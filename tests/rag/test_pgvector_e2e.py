@@ -27,8 +27,8 @@ def pg_lab(tmp_path_factory, rag_factory, lab_copy, pg_server):
 
 def test_same_collection_and_answers_as_faiss(pg_lab, lab_rag):
     pg, _, report = pg_lab
-    assert pg.index().stats() == lab_rag.index().stats()
-    assert report.added == lab_rag.index().stats()["documents"]
+    assert pg.collection().stats() == lab_rag.collection().stats()
+    assert report.added == lab_rag.collection().stats()["documents"]
     questions = [json.loads(line) for line in (REPO / "examples" / "questions.jsonl").read_text().splitlines()
                  if line.strip()]
     for q in questions[:12]:

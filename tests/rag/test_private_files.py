@@ -26,7 +26,7 @@ from rag.errors import ConfigError
 from rag.pipeline import Rag
 from rag.private_files import create_private_file, ensure_private_dir, exposed_paths, make_tree_private
 from rag.settings import load_settings
-from retrieval.catalog import Catalog
+from retrieval.stores.embedded.catalog import Catalog
 from tests.rag.live_server import serving
 
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
@@ -149,7 +149,7 @@ def test_an_open_home_is_refused_when_so_configured(open_parent, monkeypatch):
 def test_rag_db_refuses_an_open_home_when_so_configured(open_parent, monkeypatch):
     from typer.testing import CliRunner
 
-    from rag.cli_db import db_app
+    from rag.cli.db import db_app
     home = open_parent / "home"
     _open_old_home(home)
     monkeypatch.setenv("RAG_HOME", str(home))
@@ -160,7 +160,7 @@ def test_rag_db_refuses_an_open_home_when_so_configured(open_parent, monkeypatch
 
 
 def test_an_engine_key_file_others_can_read_is_warned_about(tmp_path, caplog):
-    from rag.cli_engine import _read_key
+    from rag.cli.engine import _read_key
     key_file = tmp_path / "engine-key"
     key_file.write_text("s3cret\n")
     key_file.chmod(0o644)
@@ -258,8 +258,8 @@ def test_the_fixup_follows_no_symlink_and_keeps_a_foreign_cluster_reachable(open
 @pytest.mark.slow
 def test_python_api_home_is_owner_only_after_ingest_shards_and_the_service(open_parent, lab_copy):
     """Ingest, a sharded ingest and its merge, users and keys, a converted reranker, the audit log."""
-    from ingest.shards import ingest_shard
-    from retrieval.merge import merge_shards
+    from rag.shards.merge import merge_shards
+    from rag.shards.run import ingest_shard
 
     home = open_parent / "home"
     rag = Rag(load_settings(home=home, max_new_tokens=8))

@@ -32,7 +32,7 @@ def test_each_thread_gets_its_own_connection_and_close_closes_all(tmp_path):
 def test_authentication_and_catalog_reads_from_many_threads_never_mix_up(lab_rag):
     identity = IdentityStore(lab_rag.settings.catalog_path)
     keys = {f"user{i}": identity.create_key(f"user{i}", [f"g{i}"]) for i in range(8)}
-    index = lab_rag.index()
+    index = lab_rag.collection()
     errors: list[BaseException] = []
 
     def hammer(user: str) -> None:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from rag.types import Chunk, Document
-from retrieval import keyword_domains
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
+from retrieval.stores.embedded import keyword_index
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
 
 DIM = 8
 MARKER = "qzmarkerq7731"  # lower case: the keyword index stores folded terms
@@ -29,7 +29,7 @@ def _holding(root: Path, needle: str) -> list[str]:
     return [name for name, data in _bytes_under(root).items() if needle.encode() in data]
 
 
-def _put(index: CollectionIndex, key: str, texts: list[str], acl: set[str], title: str | None = None) -> None:
+def _put(index: EmbeddedCollection, key: str, texts: list[str], acl: set[str], title: str | None = None) -> None:
     chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=len(t.split()), heading=None)
               for i, t in enumerate(texts)]
     doc = Document(key=key, source=f"/lab/{key}", text="\n".join(texts), content_hash=str(hash(tuple(texts))),
@@ -43,7 +43,7 @@ def _put(index: CollectionIndex, key: str, texts: list[str], acl: set[str], titl
 def index(request, tmp_path):
     catalog = Catalog(tmp_path / "catalog.sqlite")
     info = catalog.create_collection("docs", "test-embedder", "fp", DIM, {})
-    idx = CollectionIndex(catalog, info, tmp_path / "indexes", request.param)
+    idx = EmbeddedCollection(catalog, info, tmp_path / "indexes", request.param)
     # Neighbours in the same ACL domain, so removals rewrite a domain that stays (not only drops).
     for i in range(30):
         _put(idx, f"notes{i}.md", [f"beamline notes {i}: flux calibration and shutter timing"] * 3,
@@ -55,7 +55,7 @@ def index(request, tmp_path):
     catalog.close()
 
 
-def _secret(index: CollectionIndex) -> None:
+def _secret(index: EmbeddedCollection) -> None:
     _put(index, f"{MARKER}-plan.md", [f"the {MARKER} incident plan, step {j}" for j in range(4)],
          {"group:imaging"}, title=f"Plan {MARKER}")
     index.save()
@@ -68,7 +68,7 @@ def test_a_deleted_document_leaves_no_text_on_disk(index):
     index.save()
     assert _holding(index.catalog.path.parent, MARKER) == []
     assert index.keyword_search("beamline", 5, ["group:imaging"])  # the neighbours are intact
-    keyword_domains.integrity_check(index.catalog.conn)
+    keyword_index.integrity_check(index.catalog.conn)
 
 
 def test_replaced_text_leaves_no_trace_on_disk(index):
@@ -81,7 +81,7 @@ def test_replaced_text_leaves_no_trace_on_disk(index):
     for name, data in _bytes_under(index.catalog.path.parent).items():
         assert data.count(MARKER.encode()) == data.count(key), name
     assert index.keyword_search(MARKER, 5, ["group:imaging"]) == []
-    keyword_domains.integrity_check(index.catalog.conn)
+    keyword_index.integrity_check(index.catalog.conn)
 
 
 def test_a_deleted_last_document_of_its_acl_drops_the_domain(index):
@@ -97,7 +97,7 @@ def test_a_deleted_last_document_of_its_acl_drops_the_domain(index):
 
 def _domain_blocks(catalog: Catalog, acl: str) -> bytes:
     (domain_id,) = catalog.conn.execute("SELECT id FROM keyword_domains WHERE acl = ?", (acl,)).fetchone()
-    table = keyword_domains.table_name(domain_id)
+    table = keyword_index.table_name(domain_id)
     return b"".join(r[0] or b"" for r in catalog.conn.execute(f"SELECT block FROM {table}_data"))
 
 
@@ -112,7 +112,7 @@ def test_a_re_permissioned_document_leaves_its_old_acl_domain(index):
     assert MARKER.encode() in _domain_blocks(index.catalog, '["group:secret"]')
     assert index.keyword_search(MARKER, 5, ["group:imaging"]) == []
     assert len(index.keyword_search(MARKER, 5, ["group:secret"])) == 4
-    keyword_domains.integrity_check(index.catalog.conn)
+    keyword_index.integrity_check(index.catalog.conn)
 
 
 def test_the_wal_is_emptied_after_a_removal(index):
@@ -126,9 +126,9 @@ def test_the_wal_is_emptied_after_a_removal(index):
 @pytest.mark.parametrize(("kind", "rows"), [("faiss", 50), ("faiss-ivf", 50), ("faiss-ivf", 1100)])
 def test_a_removed_vector_is_not_in_the_saved_index_file(tmp_path, kind, rows):
     """Flat and IVF files drop a removed vector (HNSW keeps it in its graph until compaction: documented)."""
-    from retrieval.stores import make_store
+    from retrieval.vectors import make_vector_index
 
-    store = make_store(kind, DIM, None)
+    store = make_vector_index(kind, DIM, None)
     vectors = np.random.default_rng(7).normal(size=(rows, DIM)).astype(np.float32)
     store.add(np.arange(rows, dtype=np.int64), vectors)
     path = tmp_path / "index.bin"

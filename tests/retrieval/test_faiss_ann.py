@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from rag.errors import StoreError
-from retrieval.stores import load_store, make_store
-from retrieval.stores.faiss_ann import EXACT_BELOW
-from retrieval.stores.memory import MemoryStore
+from retrieval.vectors import load_vector_index, make_vector_index
+from retrieval.vectors.faiss_ann import EXACT_BELOW
+from retrieval.vectors.memory import MemoryIndex
 
 DIM = 32
 N = EXACT_BELOW + 2000  # large enough that broad allow-lists take the approximate path
@@ -29,7 +29,7 @@ def data():
 @pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-ivf"])
 def test_broad_filter_recall_and_full_k(kind, data):
     ids, vecs, queries = data
-    store, ref = make_store(kind, DIM), MemoryStore(DIM)
+    store, ref = make_vector_index(kind, DIM), MemoryIndex(DIM)
     store.add(ids, vecs)
     ref.add(ids, vecs)
     rng = np.random.default_rng(8)
@@ -51,7 +51,7 @@ def test_broad_filter_recall_and_full_k(kind, data):
 @pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-ivf"])
 def test_remove_replace_compact_and_reload(kind, data, tmp_path):
     ids, vecs, queries = data
-    store = make_store(kind, DIM)
+    store = make_vector_index(kind, DIM)
     store.add(ids, vecs)
     gone = ids[: N // 2 + 1500]  # enough dead rows to trigger a compaction
     store.remove(gone)
@@ -68,18 +68,18 @@ def test_remove_replace_compact_and_reload(kind, data, tmp_path):
     assert store.search(queries[0], 1, live)[0][0] == target
     path = tmp_path / f"x.{kind}"
     store.save(path)
-    loaded = load_store(kind, path, DIM)
+    loaded = load_vector_index(kind, path, DIM)
     assert loaded.count() == store.count()
     for q in queries[:5]:
         assert loaded.search(q, 10, live, exact=True) == store.search(q, 10, live, exact=True)
     with pytest.raises(StoreError, match="cannot read"):
         (tmp_path / "bad").write_bytes(b"nope")
-        load_store(kind, tmp_path / "bad", DIM)
+        load_vector_index(kind, tmp_path / "bad", DIM)
 
 
 def test_ivf_trains_once_big_enough_and_retrains_as_it_grows(data):
     ids, vecs, _ = data
-    store = make_store("faiss-ivf", DIM)
+    store = make_vector_index("faiss-ivf", DIM)
     store.add(ids[:500], vecs[:500])
     assert not store.index.is_trained  # too few rows: exhaustive search only
     store.add(ids[500:1500], vecs[500:1500])

@@ -8,11 +8,11 @@ import pytest
 from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.types import Chunk, Document
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
-from retrieval.stores import load_store, make_store
-from retrieval.stores.faiss_ann import EXACT_BELOW, HnswStore, IvfStore
-from retrieval.stores.memory import MemoryStore
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
+from retrieval.vectors import load_vector_index, make_vector_index
+from retrieval.vectors.faiss_ann import EXACT_BELOW, HnswIndex, IvfIndex
+from retrieval.vectors.memory import MemoryIndex
 
 DIM = 16
 ANN_KINDS = ["faiss-hnsw", "faiss-ivf"]
@@ -28,10 +28,10 @@ def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
 def test_default_threshold_is_unchanged():
     assert EXACT_BELOW == 16384
     for kind in ANN_KINDS:
-        assert make_store(kind, DIM).exact_below == EXACT_BELOW
-    assert HnswStore(DIM).exact_below == IvfStore(DIM).exact_below == EXACT_BELOW
+        assert make_vector_index(kind, DIM).exact_below == EXACT_BELOW
+    assert HnswIndex(DIM).exact_below == IvfIndex(DIM).exact_below == EXACT_BELOW
     with pytest.raises(ValueError, match="exact_below"):
-        HnswStore(DIM, exact_below=-1)
+        HnswIndex(DIM, exact_below=-1)
 
 
 @pytest.mark.parametrize("kind", ANN_KINDS)
@@ -39,7 +39,7 @@ def test_selective_allow_list_is_searched_exactly_broad_one_through_the_index(ki
     rng = np.random.default_rng(0)
     ids = np.arange(2000, dtype=np.int64)
     vecs = _unit(rng, len(ids))
-    store, ref = make_store(kind, DIM, exact_below=100), MemoryStore(DIM)
+    store, ref = make_vector_index(kind, DIM, exact_below=100), MemoryIndex(DIM)
     store.add(ids, vecs)
     ref.add(ids, vecs)
     q = _unit(rng, 1)[0]
@@ -52,11 +52,11 @@ def test_selective_allow_list_is_searched_exactly_broad_one_through_the_index(ki
     assert (store.num_exact_searches, store.num_approximate_searches) == (1, 1)
     # The threshold is a setting of the store, not of the file: loading takes it again.
     store.save(tmp_path / "x")
-    loaded = load_store(kind, tmp_path / "x", DIM, exact_below=0)
+    loaded = load_vector_index(kind, tmp_path / "x", DIM, exact_below=0)
     assert loaded.exact_below == 0
     loaded.search(q, 10, selective)
     assert (loaded.num_exact_searches, loaded.num_approximate_searches) == (0, 1)
-    assert load_store(kind, tmp_path / "x", DIM).exact_below == EXACT_BELOW
+    assert load_vector_index(kind, tmp_path / "x", DIM).exact_below == EXACT_BELOW
 
 
 @pytest.mark.parametrize("kind", ANN_KINDS)
@@ -64,7 +64,7 @@ def test_fallback_to_exact_when_the_index_finds_fewer_than_k(kind, monkeypatch):
     rng = np.random.default_rng(1)
     ids = np.arange(1500, dtype=np.int64)
     vecs = _unit(rng, len(ids))
-    store, ref = make_store(kind, DIM, exact_below=0), MemoryStore(DIM)
+    store, ref = make_vector_index(kind, DIM, exact_below=0), MemoryIndex(DIM)
     store.add(ids, vecs)
     ref.add(ids, vecs)
     q, allowed = _unit(rng, 1)[0], ids[::3]
@@ -78,7 +78,7 @@ def test_fallback_to_exact_when_the_index_finds_fewer_than_k(kind, monkeypatch):
     assert (store.num_approximate_searches, store.num_fallbacks, store.num_exact_searches) == (2, 1, 0)
 
 
-def _write(index: CollectionIndex, key: str, acl: frozenset[str], vectors: np.ndarray) -> None:
+def _write(index: EmbeddedCollection, key: str, acl: frozenset[str], vectors: np.ndarray) -> None:
     body = f"document {key}"
     doc = Document(key=key, source=f"/lab/{key}", text=body, content_hash=f"h-{key}", acl=acl, title=key)
     chunks = [Chunk(document_key=key, index=i, text=f"{key} part {i}", num_tokens=3)
@@ -104,7 +104,7 @@ def test_no_leak_through_the_approximate_paths(kind, tmp_path):
     rng = np.random.default_rng(2)
     catalog = Catalog(tmp_path / "catalog.sqlite")
     info = catalog.create_collection("lab", "test-embedder", "fp-1", DIM, {"max_tokens": 64})
-    index = CollectionIndex(catalog, info, tmp_path / "indexes", kind, exact_below=0)
+    index = EmbeddedCollection(catalog, info, tmp_path / "indexes", kind, exact_below=0)
     acls: dict[str, frozenset[str]] = {}
     vectors: dict[str, np.ndarray] = {}
     for d in range(120):  # 3000 chunks: IVF trains
@@ -135,7 +135,7 @@ def test_no_leak_through_the_approximate_paths(kind, tmp_path):
         return searches
 
     searches = check(60)
-    store = index.store
+    store = index.vectors
     assert (store.num_approximate_searches, store.num_exact_searches) == (searches, 0)
     # Deletes that compact the index (more dead rows than live ones; IVF re-trains on 1300),
     # then ACL changes that move chunks between principals without touching vectors.
@@ -147,8 +147,8 @@ def test_no_leak_through_the_approximate_paths(kind, tmp_path):
         index.set_acl(key, acls[key])
     assert index.stats()["chunks"] == 52 * 25
     searches += check(60)
-    store = index.store
+    store = index.vectors
     assert (store.num_approximate_searches, store.num_exact_searches) == (searches, 0)
     assert store.index.ntotal == store.count() == 52 * 25  # compacted (HNSW cannot delete otherwise)
-    assert not isinstance(store, IvfStore) or store.index.is_trained
+    assert not isinstance(store, IvfIndex) or store.index.is_trained
     catalog.close()

@@ -11,9 +11,10 @@ import pytest
 from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.types import Chunk, Document
-from retrieval import keyword_domains
-from retrieval.catalog import SCHEMA, Catalog, connect
 from retrieval.keyword import MAX_TERMS, fts5_match, query_terms
+from retrieval.stores.embedded import keyword_index
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.catalog_schema import SCHEMA, connect
 
 DIM = 4
 ALICE = store_filter(Principal("alice", frozenset({"genomics"})))
@@ -146,7 +147,7 @@ def _keys(catalog: Catalog, results: list[tuple[int, float]], collection: str = 
 
 def _check_index(catalog: Catalog) -> None:
     # FTS5 compares its index with the chunks table; raises on any difference.
-    keyword_domains.integrity_check(catalog.conn)
+    keyword_index.integrity_check(catalog.conn)
 
 
 @pytest.fixture
@@ -309,14 +310,14 @@ def test_an_old_catalog_is_backfilled_on_open(tmp_path):
 def test_an_index_with_an_older_tokenizer_is_rebuilt(tmp_path, monkeypatch):
     path = tmp_path / "catalog.sqlite"
     _old_catalog(path)
-    monkeypatch.setattr(keyword_domains, "TOKENIZE", "unicode61")
-    monkeypatch.setattr(keyword_domains, "FORMAT", "domains-1 tokenize=unicode61")
+    monkeypatch.setattr(keyword_index, "TOKENIZE", "unicode61")
+    monkeypatch.setattr(keyword_index, "FORMAT", "domains-1 tokenize=unicode61")
     older = Catalog(path)
     assert older.keyword_search("docs", "drain", 5, ["group:hpc-admins"]) == []  # no stemmer
     older.close()
     monkeypatch.undo()
     catalog = Catalog(path)
-    assert not keyword_domains.needs_rebuild(catalog.conn)
+    assert not keyword_index.needs_rebuild(catalog.conn)
     # "drain" finds "drained" only with the porter stemmer of the current schema.
     assert len(catalog.keyword_search("docs", "drain", 5, ["group:hpc-admins"])) == 1
     _check_index(catalog)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from rag.types import Chunk, Document
-from retrieval import keyword_domains
-from retrieval.catalog import Catalog
+from retrieval.stores.embedded import keyword_index
+from retrieval.stores.embedded.catalog import Catalog
 
 DIM = 4
 SECRET_TERM = "ZX-4471"
@@ -81,7 +81,7 @@ def _secret_tables(path) -> set[str]:
     catalog = Catalog(path)
     rows = catalog.conn.execute("SELECT id FROM keyword_domains WHERE acl = ?", ('["group:secret"]',)).fetchall()
     catalog.close()
-    return {keyword_domains.table_name(r[0]) for r in rows}
+    return {keyword_index.table_name(r[0]) for r in rows}
 
 
 @pytest.mark.parametrize("baseline", ["without-term", "none"])

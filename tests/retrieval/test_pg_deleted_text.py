@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag.db import LocalPostgres
+from rag.local_postgres.server import LocalPostgres
 from rag.types import Chunk, Document
-from retrieval.stores.pg_purge import purge_removed_text
-from retrieval.stores.pgvector import PgCollection, create_collection
+from retrieval.stores.pgvector.collection import PgvectorCollection, create_collection
+from retrieval.stores.pgvector.purge import purge_removed_text
 
 DIM = 8
 
@@ -44,7 +44,7 @@ def _holding(data_dir: Path, needle: bytes) -> list[str]:
     return found
 
 
-def _write(coll: PgCollection, key: str, acl: set[str], texts: list[str], title: str | None = None) -> None:
+def _write(coll: PgvectorCollection, key: str, acl: set[str], texts: list[str], title: str | None = None) -> None:
     doc = Document(key=key, source=f"/lab/{key}", text="\n".join(texts), content_hash=str(hash(tuple(texts))),
                    acl=frozenset(acl), title=title)
     chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=len(t.split())) for i, t in enumerate(texts)]

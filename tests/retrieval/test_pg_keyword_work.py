@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from rag.types import Chunk, Document
-from retrieval.stores.pgvector import PgCollection, create_collection
+from retrieval.stores.pgvector.collection import PgvectorCollection, create_collection
 from tests.pg_fixture import fresh_database
 
 DIM = 8
@@ -20,14 +20,14 @@ NUM_FILLER = 3000
 QUESTION = "Is ZX-4471 the flux calibration run?"
 
 
-def _write(coll: PgCollection, key: str, acl: set[str], texts: list[str]) -> None:
+def _write(coll: PgvectorCollection, key: str, acl: set[str], texts: list[str]) -> None:
     doc = Document(key=key, source=f"/lab/{key}", text="\n".join(texts), content_hash=key, acl=frozenset(acl))
     chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=len(t.split())) for i, t in enumerate(texts)]
     vectors = np.ones((len(chunks), DIM), dtype=np.float32) / np.sqrt(DIM)
     coll.replace_document(doc, frozenset(acl), chunks, vectors)
 
 
-def _fill(dsn: str, hidden_word: str) -> PgCollection:
+def _fill(dsn: str, hidden_word: str) -> PgvectorCollection:
     coll = create_collection(dsn, "docs", "test-embedder", "fp", DIM, {})
     for i in range(40):
         _write(coll, f"bob{i}", {"user:bob"}, [f"flux calibration note {i} for the beamline"])
@@ -80,11 +80,11 @@ def test_unreadable_matches_cost_a_reader_nothing(pg_server):
 
 def test_a_database_from_before_the_split_is_upgraded_with_its_chunks(pg_dsn, monkeypatch):
     """Chunks written under schema 2 get their domain keys and domains when migration 3 runs."""
-    from retrieval.stores import pg_schema
+    from retrieval.stores.pgvector import schema as pg_schema
 
     monkeypatch.setattr(pg_schema, "MIGRATIONS", pg_schema.MIGRATIONS[:2])
     monkeypatch.setattr(pg_schema, "LATEST", 2)
-    monkeypatch.setattr(PgCollection, "_add_keyword_domain", lambda self, conn, acl: None)  # as before the split
+    monkeypatch.setattr(PgvectorCollection, "_add_keyword_domain", lambda self, conn, acl: None)  # as before the split
     old = create_collection(pg_dsn, "docs", "test-embedder", "fp", DIM, {})
     _write(old, "guide", {"public"}, ["the ZX-4471 calibration guide"])
     _write(old, "secret", {"group:secret"}, ["ZX-4471 incident"])

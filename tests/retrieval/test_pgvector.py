@@ -13,15 +13,15 @@ from psycopg.conninfo import make_conninfo
 
 from rag.errors import NotFoundError, StoreError
 from rag.types import Chunk, Document
-from retrieval.stores.pg_schema import LATEST, MIGRATIONS, migrate
-from retrieval.stores.pgvector import (
-    PgCollection,
+from retrieval.stores.pgvector.collection import (
+    PgvectorCollection,
     chunk_id,
     create_collection,
     drop_collection,
     list_collections,
     open_collection,
 )
+from retrieval.stores.pgvector.schema import LATEST, MIGRATIONS, migrate
 
 DIM = 16
 
@@ -31,7 +31,7 @@ def _unit(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
     return v / np.linalg.norm(v, axis=1, keepdims=True)
 
 
-def _write(coll: PgCollection, key: str, acl: set[str], texts: list[str], vectors: np.ndarray,
+def _write(coll: PgvectorCollection, key: str, acl: set[str], texts: list[str], vectors: np.ndarray,
            content_hash: str | None = None) -> None:
     doc = Document(key=key, source=f"/lab/{key}.md", text="\n".join(texts), content_hash=content_hash or f"h-{key}",
                    acl=frozenset(acl), title=f"Title {key}", metadata={"kind": "note"})
@@ -400,7 +400,7 @@ def test_new_documents_commit_asynchronously_but_anything_that_can_revoke_access
     """synchronous_commit is off for the bulk of an ingest (inserts), on for updates, ACL changes, deletions."""
     durable: list[str] = []
 
-    class Spy(PgCollection):
+    class Spy(PgvectorCollection):
         def _durable(self, conn: psycopg.Connection) -> None:
             super()._durable(conn)
             durable.append(conn.execute("SHOW synchronous_commit").fetchone()[0])
@@ -417,7 +417,7 @@ def test_new_documents_commit_asynchronously_but_anything_that_can_revoke_access
     assert durable == ["on", "on", "on"]
     assert coll._connection().execute("SHOW synchronous_commit").fetchone()[0] == "off"  # SET LOCAL only
     coll.close()
-    strict = PgCollection(pg_dsn, info, durable_commits=True)  # leaves the server's setting alone
+    strict = PgvectorCollection(pg_dsn, info, durable_commits=True)  # leaves the server's setting alone
     assert strict._connection().execute("SHOW synchronous_commit").fetchone()[0] == _scalar(
         pg_dsn, "SHOW synchronous_commit")
     strict.close()

@@ -31,9 +31,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.types import Chunk, Document
-from retrieval.catalog import Catalog
-from retrieval.index import CollectionIndex
 from retrieval.retriever import MODES, Retriever
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
 from tests.fuzz_corpus import DIM, Reference, acls, chunk_texts, hash_embed, marker, principals, queries, scaled
 
 CHUNKING = {"max_tokens": 64, "overlap_tokens": 0}
@@ -51,7 +51,7 @@ class Backend:
         self._stack = contextlib.ExitStack()
         base, _, mode = kind.partition(":")
         if base == "pgvector":
-            from retrieval.stores.pgvector import create_collection, open_collection
+            from retrieval.stores.pgvector.collection import create_collection, open_collection
             from tests.pg_fixture import fresh_database
 
             dsn = self._stack.enter_context(fresh_database(pg_server))
@@ -66,9 +66,9 @@ class Backend:
         exact_below = 0 if mode == "approx" else None
         wcat = Catalog(tmp / "catalog.sqlite")
         info = wcat.create_collection(name, "hash-embed", "fp", DIM, CHUNKING)
-        self.writer = CollectionIndex(wcat, info, tmp / "indexes", base, exact_below=exact_below)
+        self.writer = EmbeddedCollection(wcat, info, tmp / "indexes", base, exact_below=exact_below)
         rcat = Catalog(tmp / "catalog.sqlite")
-        self.reader = CollectionIndex(rcat, rcat.get_collection(name), tmp / "indexes", base,
+        self.reader = EmbeddedCollection(rcat, rcat.get_collection(name), tmp / "indexes", base,
                                       exact_below=exact_below)
         self._stack.callback(wcat.close)
         self._stack.callback(rcat.close)

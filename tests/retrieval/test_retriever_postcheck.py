@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from permissions.models import Principal
-from retrieval.catalog import ChunkRecord
+from retrieval.records import ChunkRecord
 from retrieval.retriever import Retriever
 
 ACLS = {1: frozenset({"public"}), 2: frozenset({"group:secret"}), 3: frozenset({"user:alice"}),

@@ -1,0 +1,106 @@
+"""Worker processes that each run the embedder on one more GPU, so several GPUs embed one call."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from ingest.embed.runner import RunnerSpec
+from rag.errors import ModelError
+
+
+def _serve(spec: RunnerSpec, conn: Connection, tokenizer_threads: int) -> None:
+    """A worker's life: build the runner, then embed each list of texts it is sent until told to stop."""
+    # The Rust tokenizer of each process would otherwise start one thread per core; its pool
+    # reads this on first use.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(tokenizer_threads))
+    try:
+        import torch
+
+        from ingest.embed.runner import EncoderRunner
+
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(spec.device)  # pinned buffers and streams belong to this GPU
+        runner = EncoderRunner.from_spec(spec)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", runner.dim))
+    while True:
+        texts = conn.recv()
+        if texts is None:
+            return
+        try:
+            conn.send(("ok", runner.run(texts)))
+        except Exception as e:  # reported to the caller, which raises it; the worker lives on
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class EmbedWorkers:
+    """One spawned process per spec, each holding its own copy of the model on its own device.
+
+    Spawned, not forked: CUDA cannot be used in a forked child of a process that has touched it.
+    Calls are not thread-safe; the embedder serializes them.
+    """
+
+    def __init__(self, specs: Sequence[RunnerSpec]) -> None:
+        ctx = mp.get_context("spawn")
+        self.specs = list(specs)
+        self._conns: list[Connection] = []
+        self._procs: list[mp.process.BaseProcess] = []
+        threads = max(1, (os.cpu_count() or 1) // (len(self.specs) + 1))  # this process tokenizes too
+        for spec in self.specs:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(spec, child, threads), name=f"embed-{spec.device}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for i in range(len(self.specs)):
+            kind, value = self._receive(i)
+            if kind != "ready":
+                self.close()
+                raise ModelError(f"the embedding worker for {self.specs[i].device} failed to start: {value}")
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def submit(self, i: int, texts: list[str]) -> None:
+        """Send texts to worker i; collect the vectors with result(i)."""
+        self._conns[i].send(texts)
+
+    def result(self, i: int) -> np.ndarray:
+        """The vectors of the texts last submitted to worker i (blocks until they are ready).
+
+        Raises:
+            ModelError: the worker failed on them or died.
+        """
+        kind, value = self._receive(i)
+        if kind != "ok":
+            raise ModelError(f"the embedding worker for {self.specs[i].device} failed: {value}")
+        return value
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):  # already gone
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    def _receive(self, i: int) -> tuple[str, object]:
+        try:
+            return self._conns[i].recv()
+        except (EOFError, OSError) as e:
+            return "error", f"the process died ({type(e).__name__}); see its output above"

@@ -1,0 +1,5 @@
+"""`python -m rag.cli ...`: the same as `rag ...`."""
+
+from rag.cli.main import main
+
+main()

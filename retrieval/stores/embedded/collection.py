@@ -1,0 +1,270 @@
+"""EmbeddedCollection: one collection of the catalog plus its vector index, kept in step.
+
+Index files are named after the catalog version they match (`NAME.v42.faiss`). Opening a
+collection loads the file of the current version, or rebuilds it from the vectors in the
+catalog when none matches (after a crash, or after another process wrote): the index can
+never serve a state the catalog does not have. The index counts its own writes, so a save
+that finds the catalog further along (another writer) rebuilds rather than mislabel a file.
+
+Vector writes are queued and applied to the store in bulk before it is next read: Faiss's
+ID map scans every stored id on each add or remove call, so one call per document made a
+large ingest quadratic (50,000 one-chunk documents: 105 s in the store, now ~1 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rag.errors import StoreError
+from rag.private_files import private_mkdir
+from rag.types import Chunk, Document
+from retrieval.base import VectorIndex
+from retrieval.records import ChunkRecord, CollectionInfo, DocumentState
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.vectors import load_vector_index, make_vector_index
+
+# Index file suffix per vector store kind ("faiss" keeps the name older data dirs used).
+_SUFFIX = {"faiss": "faiss", "faiss-hnsw": "hnsw", "faiss-ivf": "ivf"}
+# Queued vector writes applied in one call: bounds the queue (~6 MB of 384-d vectors).
+_BULK = 4096
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedCollection:
+    """Writes go to the catalog first (one transaction per document), then to the vector index.
+
+    Implements `retrieval.base.CollectionStore` for the embedded default.
+    """
+
+    notice: str | None = None  # a plain collection, not a rebuild (see retrieval.base.CollectionStore)
+
+    def __init__(self, catalog: Catalog, info: CollectionInfo, index_dir: Path | None,
+                 vector_kind: str = "faiss", exact_below: int | None = None) -> None:
+        """`exact_below` goes to the approximate stores (see `retrieval.stores.make_vector_index`)."""
+        self.catalog = catalog
+        self.info = info
+        self.index_dir = index_dir
+        self.vector_kind = vector_kind
+        self.exact_below = exact_below
+        self._vectors: VectorIndex = self._empty_store()
+        self._queued = _QueuedWrites()
+        self.loaded_version = -1
+        # Allowed chunk ids per ACL token, valid for one catalog version: a user's groups are
+        # looked up once per change of the collection, not on every query.
+        self._allowed_cache: dict[str, np.ndarray] = {}
+        self._allowed_version = -1
+        self.refresh()
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def vectors(self) -> VectorIndex:
+        """The vector index, with every write made so far applied."""
+        self._queued.apply(self._vectors)
+        return self._vectors
+
+    # -- keeping the store in step with the catalog -------------------------------------
+
+    def refresh(self) -> bool:
+        """Reload if another writer changed the collection; True when something was loaded.
+
+        The collection's info is read again too: a rebuilt collection (`retrieval.rebuild`)
+        comes back under the same name with another embedder, dimension or chunking.
+        """
+        info = self.catalog.get_collection(self.name)
+        if info.version == self.loaded_version:
+            return False
+        self.info = info
+        path = self._path(info.version)
+        store = None
+        if path is not None and path.exists():
+            try:
+                store = load_vector_index(self.vector_kind, path, info.dim, self.exact_below)
+                log.debug("loaded %s", path)
+            except StoreError as e:  # a damaged cache file: the catalog has everything
+                log.warning("%s; rebuilding the index of %r from the catalog", e, self.name)
+        if store is None:
+            # The version is read before the vectors: if a writer commits in between, the
+            # store is newer than its label and the next refresh or save loads it again.
+            store = self._empty_store()
+            for ids, vectors in self.catalog.iter_vectors(self.name):
+                store.add(ids, vectors)
+            log.info("rebuilt index of %r from the catalog (%d vectors)", self.name, store.count())
+        self._vectors = store
+        self._queued = _QueuedWrites()  # committed before they were queued: the reload has them
+        self.loaded_version = info.version
+        return True
+
+    def save(self) -> None:
+        """Persist the store under the current catalog version and drop older files.
+
+        Also purges removed text from the catalog's files (`Catalog.purge_removed_text`): a
+        batch of writes ends here, so the keyword tables are rewritten once per batch.
+        """
+        self.catalog.purge_removed_text()
+        if self.index_dir is None or self._path(0) is None:
+            return
+        # Our own writes advanced loaded_version one by one; anything more is another writer's,
+        # which the store lacks: reload (from the catalog) rather than mislabel the file.
+        while self.catalog.version(self.name) != self.loaded_version:
+            self.refresh()
+        private_mkdir(self.index_dir)
+        path = self._path(self.loaded_version)
+        assert path is not None
+        self.vectors.save(path)
+        remove_index_files(self.index_dir, self.name, self.vector_kind, keep=path)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Nothing to switch: this is the live collection."""
+        return None
+
+    def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
+                         vectors: np.ndarray) -> None:
+        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors)
+        self._queued.remove(removed)
+        self._queued.add(added, vectors)
+        if self._queued.size >= _BULK:
+            self._queued.apply(self._vectors)
+        self.loaded_version += 1  # each catalog write bumps the version once (see save)
+
+    def set_acl(self, key: str, acl: frozenset[str]) -> None:
+        # ACLs live only in the catalog: the filter is read from it at query time.
+        self.catalog.set_acl(self.name, key, acl)
+        self.loaded_version += 1
+
+    def delete_document(self, key: str) -> None:
+        removed = self.catalog.delete_document(self.name, key)
+        self._queued.remove(removed)
+        if self._queued.size >= _BULK:
+            self._queued.apply(self._vectors)
+        self.loaded_version += 1
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def document_states(self) -> dict[str, DocumentState]:
+        return self.catalog.document_states(self.name)
+
+    def stats(self) -> dict[str, int]:
+        return self.catalog.collection_stats(self.name)
+
+    def search(self, query: np.ndarray, k: int, tokens: Sequence[str],
+               exact: bool = False) -> list[tuple[int, float]]:
+        # The allow-list comes from the catalog's ACL table and goes into the vector search
+        # as an ID selector: chunks outside it are never scored.
+        return self.vectors.search(query, k, self.allowed_ids(tokens), exact=exact)
+
+    def allowed_ids(self, tokens: Sequence[str]) -> np.ndarray:
+        """Sorted chunk ids whose document ACL names one of `tokens` (in the loaded version)."""
+        if self._allowed_version != self.loaded_version:
+            self._allowed_cache.clear()
+            self._allowed_version = self.loaded_version
+        parts = []
+        for token in sorted(set(tokens)):
+            ids = self._allowed_cache.get(token)
+            if ids is None:
+                ids = self.catalog.allowed_chunk_ids(self.name, [token])
+                if len(self._allowed_cache) > 4096:  # many distinct users: keep memory bounded
+                    self._allowed_cache.clear()
+                self._allowed_cache[token] = ids
+            parts.append(ids)
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+
+    def keyword_search(self, text: str, k: int, tokens: Sequence[str]) -> list[tuple[int, float]]:
+        return self.catalog.keyword_search(self.name, text, k, tokens)
+
+    def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
+        return self.catalog.chunk_records(ids, self.name)
+
+    def dump(self) -> list[dict]:
+        return self.catalog.dump(self.name)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _empty_store(self) -> VectorIndex:
+        return make_vector_index(self.vector_kind, self.info.dim, self.exact_below)
+
+    def _path(self, version: int) -> Path | None:
+        if self.index_dir is None or self.vector_kind not in _SUFFIX:
+            return None
+        return self.index_dir / f"{self.name}.v{version}.{_SUFFIX[self.vector_kind]}"
+
+
+class _QueuedWrites:
+    """Vector removals and additions not yet applied to a store, in the order that matters.
+
+    Added chunk ids are new (the catalog never reuses one), so applying every removal, then
+    every addition, is the same as applying them one by one; removing an id still queued
+    for addition just drops it from the queue.
+    """
+
+    def __init__(self) -> None:
+        self._removed: list[int] = []
+        self._added: dict[int, np.ndarray] = {}  # id -> vector (dim,)
+
+    @property
+    def size(self) -> int:
+        return len(self._removed) + len(self._added)
+
+    def remove(self, ids: Sequence[int]) -> None:
+        for i in ids:
+            if self._added.pop(int(i), None) is None:
+                self._removed.append(int(i))
+
+    def add(self, ids: Sequence[int], vectors: np.ndarray) -> None:
+        for i, vector in zip(ids, vectors, strict=True):
+            self._added[int(i)] = np.array(vector, dtype=np.float32)  # the caller may reuse its array
+
+    def apply(self, store: VectorIndex) -> None:
+        if self._removed:
+            store.remove(np.asarray(self._removed, dtype=np.int64))
+            self._removed = []
+        if self._added:
+            ids = np.fromiter(self._added, dtype=np.int64, count=len(self._added))
+            store.add(ids, np.stack(list(self._added.values())).astype(np.float32, copy=False))
+            self._added = {}
+
+
+def remove_index_files(index_dir: Path, name: str, vector_kind: str, keep: Path | None = None) -> None:
+    """Delete the index files of collection `name` (and leftovers of interrupted saves), but `keep`.
+
+    Matched exactly, so collection "lab" never touches the files of "lab.v2".
+    """
+    suffix = _SUFFIX.get(vector_kind)
+    if suffix is None or not index_dir.is_dir():
+        return
+    pattern = re.compile(rf"{re.escape(name)}\.v\d+\.{suffix}(\.tmp)?")
+    for path in index_dir.iterdir():
+        if path != keep and pattern.fullmatch(path.name):
+            path.unlink(missing_ok=True)
+
+
+def move_index_file(index_dir: Path | None, vector_kind: str, source: tuple[str, int],
+                    target: tuple[str, int]) -> bool:
+    """Rename the index file of (collection, version) `source` to that of `target`.
+
+    Used when a rebuilt collection takes the live name: its file is exactly the new state,
+    so readers load it instead of rebuilding from the catalog. False when there is no file.
+    """
+    suffix = _SUFFIX.get(vector_kind)
+    if index_dir is None or suffix is None:
+        return False
+    path = index_dir / f"{source[0]}.v{source[1]}.{suffix}"
+    if not path.exists():
+        return False
+    dest = index_dir / f"{target[0]}.v{target[1]}.{suffix}"
+    os.replace(path, dest)
+    remove_index_files(index_dir, target[0], vector_kind, keep=dest)
+    return True

@@ -1,0 +1,374 @@
+"""PostgreSQL layout of the pgvector store: versioned migrations, collections and their indexes.
+
+Every process that opens a store calls `migrate(dsn)`; the fast path is one read of
+`rag_schema_version`, and only a database that is behind takes the lock, so parallel ingest
+shards starting at once apply each migration exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from functools import partial
+
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from rag.errors import NotFoundError, StoreError
+from retrieval.records import GENERATION_SEP, CollectionInfo, generation_name
+
+# Iterative index scans (`hnsw.iterative_scan`) arrived in pgvector 0.8.0: without them a
+# selective ACL filter could leave fewer than k hits after the index's ef_search candidates.
+MIN_PGVECTOR = (0, 8, 0)
+
+# pgvector's HNSW indexes `vector` up to 2,000 dimensions; wider collections are searched
+# exhaustively (still correct, just slower).
+MAX_HNSW_DIM = 2000
+
+# Any constant unique to this project; pg_advisory_lock keys are one bigint.
+_MIGRATION_LOCK = 0x7261675F736368  # "rag_sch"
+
+# Design of rag_chunks.embedding: one untyped `vector` column, and per collection a partial
+# expression HNSW index `((embedding::vector(DIM)) vector_ip_ops) WHERE collection = 'NAME'`
+# (created with the collection, see pgvector.py). Why this rather than a table per dimension:
+# every collection gets its own HNSW graph, so a search walks only that collection's vectors
+# (with one shared index, the collection filter would be one more selective filter for the
+# iterative scan to dig through), collections of any dimension share one schema, and dropping
+# a collection drops its index. Inner product ops because vectors are L2-normalised and the
+# stores report the inner product as the score.
+MIGRATIONS: list[tuple[int, str]] = [
+    (1, """
+CREATE TABLE rag_collections (
+    name        text PRIMARY KEY,
+    embedder    text NOT NULL,
+    fingerprint text NOT NULL,
+    dim         integer NOT NULL CHECK (dim > 0),
+    chunking    jsonb NOT NULL,
+    metric      text NOT NULL DEFAULT 'ip',
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE rag_documents (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    collection   text NOT NULL REFERENCES rag_collections(name) ON DELETE CASCADE,
+    key          text NOT NULL,
+    source       text NOT NULL,
+    title        text,
+    content_hash text NOT NULL,
+    acl          text[] NOT NULL,
+    metadata     jsonb NOT NULL,
+    num_chunks   integer NOT NULL,
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (collection, key)
+);
+CREATE TABLE rag_chunks (
+    id           bigint PRIMARY KEY,
+    collection   text NOT NULL,
+    document_key text NOT NULL,
+    idx          integer NOT NULL,
+    text         text NOT NULL,
+    heading      text,
+    num_tokens   integer NOT NULL,
+    metadata     jsonb NOT NULL,
+    -- A copy of the document's ACL, so the filter is a condition of the index scan itself.
+    acl          text[] NOT NULL,
+    -- Keyword index over heading (weight A) and text (B), as the SQLite FTS5 side indexes both.
+    tsv          tsvector GENERATED ALWAYS AS (
+        setweight(to_tsvector('english', coalesce(heading, '')), 'A') || setweight(to_tsvector('english', text), 'B')
+    ) STORED,
+    embedding    vector NOT NULL,
+    UNIQUE (collection, document_key, idx),
+    FOREIGN KEY (collection, document_key) REFERENCES rag_documents(collection, key)
+        ON DELETE CASCADE
+);
+CREATE INDEX rag_chunks_acl ON rag_chunks USING gin (acl);
+CREATE INDEX rag_chunks_tsv ON rag_chunks USING gin (tsv);
+"""),
+    # Generations: a change of embedder or chunking builds the collection again beside the live
+    # one, as the row `NAME@G` (generation G, not live), and a one-row flip of `live` switches
+    # queries over once it is complete (retrieval/stores/pgvector/rebuild.py). `name` stays the
+    # physical key every chunk row, chunk id and partial HNSW index uses; `public_name` is what
+    # users call the collection, and at most one of its generations is live.
+    (2, """
+ALTER TABLE rag_collections ADD COLUMN public_name text;
+UPDATE rag_collections SET public_name = name;
+ALTER TABLE rag_collections ALTER COLUMN public_name SET NOT NULL;
+ALTER TABLE rag_collections ADD COLUMN generation integer NOT NULL DEFAULT 1 CHECK (generation >= 1);
+ALTER TABLE rag_collections ADD COLUMN live boolean NOT NULL DEFAULT true;
+CREATE UNIQUE INDEX rag_collections_live ON rag_collections (public_name) WHERE live;
+"""),
+    # Keyword search by ACL domain (issue 13): the GIN index on `tsv` kept one posting list per
+    # word over every chunk, so a search read (and spent time on) the postings of chunks the
+    # caller may not read. `kw` holds each word of a chunk prefixed with its domain's tag (a
+    # hash of collection and ACL), so a search looks up only `tag:word` keys of readable
+    # domains, and `tsv` is only evaluated on those candidates. fastupdate off: a GIN pending
+    # list is scanned whole by every search, whatever ACL its entries have.
+    (3, """
+CREATE FUNCTION rag_keyword_domain(collection text, acl text[]) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    AS $$ SELECT left(md5(collection || chr(31) || array_to_string(acl, chr(31))), 16) $$;
+CREATE FUNCTION rag_keyword_keys(collection text, acl text[], heading text, body text) RETURNS text[]
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT coalesce(array_agg(rag_keyword_domain(collection, acl) || ':' || l.lexeme), '{}')
+          FROM unnest(to_tsvector('english', coalesce(heading, '')) || to_tsvector('english', body)) AS l $$;
+ALTER TABLE rag_chunks ADD COLUMN kw text[]
+    GENERATED ALWAYS AS (rag_keyword_keys(collection, acl, heading, text)) STORED;
+CREATE TABLE rag_keyword_domains (
+    collection text NOT NULL REFERENCES rag_collections(name) ON DELETE CASCADE,
+    acl        text[] NOT NULL,
+    tag        text NOT NULL,
+    PRIMARY KEY (collection, acl)
+);
+INSERT INTO rag_keyword_domains (collection, acl, tag)
+    SELECT DISTINCT collection, acl, rag_keyword_domain(collection, acl) FROM rag_chunks;
+CREATE INDEX rag_chunks_kw ON rag_chunks USING gin (kw) WITH (fastupdate = off);
+-- The chunks holding any of `keys`, read through rag_chunks_kw only: the SET clause keeps the
+-- planner from scanning the whole table instead (which would read every chunk), without a
+-- transaction round trip per search for SET LOCAL.
+CREATE FUNCTION rag_keyword_candidates(keys text[]) RETURNS TABLE (id bigint, collection text, acl text[], tsv tsvector)
+    LANGUAGE sql STABLE PARALLEL SAFE SET enable_seqscan = off
+    AS $$ SELECT c.id, c.collection, c.acl, c.tsv FROM rag_chunks c WHERE c.kw && keys $$;
+DROP INDEX rag_chunks_tsv;
+ALTER INDEX rag_chunks_acl SET (fastupdate = off);
+SELECT gin_clean_pending_list('rag_chunks_acl');
+"""),
+]
+
+LATEST = MIGRATIONS[-1][0]
+
+_json_dumps = partial(json.dumps, sort_keys=True, default=str)
+
+
+def migrate(dsn: str) -> int:
+    """Bring the database at `dsn` to the latest schema; safe to call from many processes at once.
+
+    Returns:
+        The schema version now in the database.
+
+    Raises:
+        StoreError: the server does not answer, pgvector is missing or older than 0.8, or the
+            database was migrated by a newer version of this project.
+    """
+    with connect(dsn, autocommit=True) as conn:
+        version = _current_version(conn)
+        if version >= LATEST:
+            _check_not_newer(version, dsn)
+            return version
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
+        try:
+            ensure_pgvector(conn, dsn)
+            with conn.transaction():
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS rag_schema_version ("
+                    " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+            # Read again under the lock: another process may have migrated while we waited.
+            version = _current_version(conn)
+            _check_not_newer(version, dsn)
+            for number, ddl in MIGRATIONS:
+                if number <= version:
+                    continue
+                with conn.transaction():
+                    conn.execute(ddl)
+                    conn.execute("INSERT INTO rag_schema_version (version) VALUES (%s)", (number,))
+                version = number
+        except psycopg.Error as e:
+            raise StoreError(f"migrating the rag schema in {mask_dsn(dsn)} failed: {e}") from e
+        finally:
+            # Closing the session releases the lock anyway; unlocking is a courtesy.
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
+    return version
+
+
+def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim: int,
+                      chunking: dict, generation: int = 1) -> CollectionInfo:
+    """Create a collection with its HNSW index unless it exists; return what is stored (migrated `dsn`).
+
+    Generation 1 is created live under its own name; a later generation G is created hidden, as
+    `name@G`, for `pg_rebuild` to fill and switch to. Concurrent callers are safe: the loser of
+    the insert race waits for the winner's commit.
+    """
+    if not name or dim <= 0 or GENERATION_SEP in name:
+        raise StoreError(f"a collection needs a name without {GENERATION_SEP!r} and a positive dimension "
+                         f"(got {name!r}, {dim})")
+    physical = name if generation == 1 else generation_name(name, generation)
+    with admin_connection(dsn, f"creating collection {name!r}") as conn, conn.transaction():
+        created = conn.execute(
+            "INSERT INTO rag_collections (name, public_name, generation, live, embedder, fingerprint, dim,"
+            " chunking, metric) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'ip') ON CONFLICT DO NOTHING RETURNING name",
+            (physical, name, generation, generation == 1, embedder, fingerprint, dim,
+             Jsonb(chunking, dumps=_json_dumps)),
+        ).fetchone()
+        if created and dim <= MAX_HNSW_DIM:
+            # In the creating transaction, so a collection never exists without its index. The
+            # build scans rag_chunks and blocks its writers meanwhile: quick while it is small.
+            conn.execute(sql.SQL(
+                "CREATE INDEX {index} ON rag_chunks USING hnsw ((embedding::vector({dim})) vector_ip_ops)"
+                " WHERE collection = {name}"
+            ).format(index=sql.Identifier(hnsw_index_name(physical)), dim=sql.Literal(dim),
+                     name=sql.Literal(physical)))
+    return _info(dsn, physical)
+
+
+_INFO_COLUMNS = "name, embedder, fingerprint, dim, chunking, generation"
+
+
+def _info(dsn: str, physical: str) -> CollectionInfo:
+    with admin_connection(dsn, f"opening collection {physical!r}") as conn:
+        row = conn.execute(f"SELECT {_INFO_COLUMNS} FROM rag_collections WHERE name = %s", (physical,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"collection {physical!r} vanished from {mask_dsn(dsn)} (dropped meanwhile?)")
+    return CollectionInfo(row[0], row[1], row[2], row[3], row[4], 0, row[5])
+
+
+def find_live(conn: psycopg.Connection, name: str) -> CollectionInfo | None:
+    """The live generation of collection `name` (its `name` is the physical one, e.g. `lab@2`), or None."""
+    row = conn.execute(
+        f"SELECT {_INFO_COLUMNS} FROM rag_collections WHERE public_name = %s AND live", (name,)
+    ).fetchone()
+    return None if row is None else CollectionInfo(row[0], row[1], row[2], row[3], row[4], 0, row[5])
+
+
+def get_collection(dsn: str, name: str) -> CollectionInfo:
+    """The stored description of collection `name`'s live generation (version is always 0).
+
+    Raises:
+        NotFoundError: no such collection; the message lists those that exist.
+    """
+    with admin_connection(dsn, f"opening collection {name!r}") as conn:
+        info = find_live(conn, name)
+        names = [] if info else [r[0] for r in conn.execute(
+            "SELECT public_name FROM rag_collections WHERE live ORDER BY public_name")]
+    if info is None:
+        have = ", ".join(names) if names else "none yet; run `rag ingest PATH` first"
+        raise NotFoundError(f"unknown collection {name!r} in {mask_dsn(dsn)} (collections: {have})")
+    return info
+
+
+def hidden_generations(dsn: str, name: str) -> list[CollectionInfo]:
+    """Generations of collection `name` that do not answer queries (being built, or left to drop)."""
+    with admin_connection(dsn, f"reading the versions of collection {name!r}") as conn:
+        rows = conn.execute(
+            f"SELECT {_INFO_COLUMNS} FROM rag_collections WHERE public_name = %s AND NOT live ORDER BY generation",
+            (name,),
+        ).fetchall()
+    return [CollectionInfo(r[0], r[1], r[2], r[3], r[4], 0, r[5]) for r in rows]
+
+
+def list_collections(dsn: str) -> dict[str, dict[str, int]]:
+    """Every collection's name -> {"documents": n, "chunks": n} of its live generation, by name."""
+    migrate(dsn)
+    with admin_connection(dsn, "listing collections") as conn:
+        rows = conn.execute(
+            "SELECT c.public_name, count(d.id), coalesce(sum(d.num_chunks), 0) FROM rag_collections c"
+            " LEFT JOIN rag_documents d ON d.collection = c.name WHERE c.live"
+            " GROUP BY c.public_name ORDER BY c.public_name"
+        ).fetchall()
+    return {r[0]: {"documents": int(r[1]), "chunks": int(r[2])} for r in rows}
+
+
+def drop_collection(dsn: str, name: str) -> None:
+    """Delete a collection (every generation), its documents, chunks and indexes; an unknown name is a no-op."""
+    migrate(dsn)
+    with admin_connection(dsn, f"dropping collection {name!r}") as conn:
+        physical = [r[0] for r in conn.execute(
+            "SELECT name FROM rag_collections WHERE public_name = %s OR name = %s", (name, name))]
+    for p in physical:
+        drop_generation(dsn, p)
+
+
+def drop_generation(dsn: str, physical: str) -> int:
+    """Delete one generation (physical name) with its documents, chunks and index; returns documents deleted."""
+    with admin_connection(dsn, f"dropping collection {physical!r}") as conn, conn.transaction():
+        deleted = conn.execute("SELECT count(*) FROM rag_documents WHERE collection = %s", (physical,)).fetchone()[0]
+        conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(hnsw_index_name(physical))))
+        conn.execute("DELETE FROM rag_collections WHERE name = %s", (physical,))
+    return int(deleted)
+
+
+def hnsw_index_name(collection: str) -> str:
+    # Collection names are free text and identifiers stop at 63 bytes: name the index by a hash.
+    return "rag_hnsw_" + hashlib.blake2b(collection.encode(), digest_size=8).hexdigest()
+
+
+def ensure_pgvector(conn: psycopg.Connection, dsn: str) -> None:
+    """Create the `vector` extension if missing and check it is new enough."""
+    row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+    if row is None:
+        try:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except psycopg.errors.InsufficientPrivilege as e:
+            raise StoreError(
+                f"the pgvector extension is not enabled in {mask_dsn(dsn)} and this role may not "
+                "enable it: run `CREATE EXTENSION vector` there as a superuser, then retry"
+            ) from e
+        except (psycopg.errors.UndefinedFile, psycopg.errors.FeatureNotSupported) as e:
+            raise StoreError(
+                f"the PostgreSQL server of {mask_dsn(dsn)} has no pgvector: install the pgvector "
+                "package (>= 0.8) on the server, or use `rag db start` for a bundled one"
+            ) from e
+        row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+    if parse_version(row[0]) < MIN_PGVECTOR:
+        raise StoreError(
+            f"pgvector {row[0]} in {mask_dsn(dsn)} is too old (need >= 0.8 for iterative index "
+            "scans): install a newer pgvector on the server and run `ALTER EXTENSION vector UPDATE`"
+        )
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.8.6' -> (0, 8, 6); suffixes like '0.9.0-dev' keep their numeric part."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in text.split("."))
+
+
+def connect(dsn: str, autocommit: bool = True) -> psycopg.Connection:
+    """Open a connection, turning "server does not answer" into a StoreError that says what to do."""
+    try:
+        return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10)
+    except psycopg.OperationalError as e:
+        # libpq's first line says what failed ("Connection refused", "database ... does not exist").
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].removeprefix("connection failed: ")
+        raise StoreError(
+            f"cannot connect to PostgreSQL at {mask_dsn(dsn)} ({mask_dsn(reason)}): start one with "
+            "`rag db start`, or check that the server is running and the DSN is right"
+        ) from e
+    except psycopg.ProgrammingError as e:  # a malformed DSN
+        raise StoreError(f"invalid PostgreSQL DSN {mask_dsn(dsn)}: {mask_dsn(str(e).strip())}") from e
+
+
+@contextlib.contextmanager
+def admin_connection(dsn: str, what: str) -> Iterator[psycopg.Connection]:
+    """A short-lived autocommit connection whose database errors become StoreErrors naming `what`."""
+    conn = connect(dsn, autocommit=True)
+    try:
+        yield conn
+    except psycopg.Error as e:
+        raise StoreError(f"{what} in {mask_dsn(dsn)} failed: {e}") from e
+    finally:
+        conn.close()
+
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*(@)")
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)", re.IGNORECASE)
+
+
+def mask_dsn(dsn: str) -> str:
+    """The DSN with any password replaced by ***, for messages and logs."""
+    return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***\2", dsn))
+
+
+def _current_version(conn: psycopg.Connection) -> int:
+    if conn.execute("SELECT to_regclass('rag_schema_version')").fetchone()[0] is None:
+        return 0
+    return int(conn.execute("SELECT coalesce(max(version), 0) FROM rag_schema_version").fetchone()[0])
+
+
+def _check_not_newer(version: int, dsn: str) -> None:
+    if version > LATEST:
+        raise StoreError(
+            f"the rag schema in {mask_dsn(dsn)} is at version {version}, newer than this install "
+            f"knows ({LATEST}): upgrade rag on this machine"
+        )
