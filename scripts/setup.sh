@@ -38,6 +38,19 @@ if ! { command -v sbatch && command -v slurmctld && command -v slurmd && command
   fi
 fi
 
+# The retrieval set of examples/eval/postgresql/ is built from Debian's PostgreSQL manual
+# (tests/retrieval/test_pgdocs_set.py, bench/pgdocs_recall.py). Same rule: apt where root.
+if [ ! -f /usr/share/doc/postgresql-doc-15/html/index.html ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing postgresql-doc-15 (the manual the documentation retrieval set is built from)"
+    apt-get install -y --no-install-recommends postgresql-doc-15 >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y --no-install-recommends postgresql-doc-15 >/dev/null; } \
+      || echo "== warning: apt-get could not install postgresql-doc-15; the documentation set's tests will skip"
+  else
+    echo "== hint: no PostgreSQL manual; the documentation set's tests will skip (as root: apt-get install -y postgresql-doc-15)"
+  fi
+fi
+
 stamp=.venv/.rag-installed
 want=$(cat pyproject.toml scripts/setup.sh scripts/build_spacy_stub.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -1,0 +1,205 @@
+"""Recall@5 and MRR by source page on the PostgreSQL 15 manual, per retrieval mode, with leak counts.
+
+    nice -n 19 .venv/bin/python bench/pgdocs_recall.py [--home DIR] [--corpus DIR] [--subset N]
+
+Builds the corpus of examples/eval/postgresql/ (Debian's postgresql-doc-15 manual, one folder
+per part, each with its ACL sidecar), ingests it with the packaged models (`Rag.ingest`, an
+incremental ingest: re-running with the same --home only re-reads changed pages), then asks
+every labelled question as its user in four configurations: dense, keyword, hybrid (no
+reranker) and hybrid + rerank. A question's relevant pages are those of its `sources` that
+the asker may read under the corpus's sidecars; a question with none is a "should refuse"
+question and only counts for leaks. A leak is any hit from a page the asker may not read
+(must be 0). The dense row is the peer: the other rows also print their recall as a ratio
+of its recall.
+
+--subset N ingests only the pages the questions name plus N other pages (every k-th of the
+manual) for a quick run; the full manual takes minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_DIR = REPO / "examples" / "eval" / "postgresql"
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(EVAL_DIR))
+
+from build_corpus import MANUAL, build_corpus, page_folders  # noqa: E402
+
+from permissions.models import Principal  # noqa: E402
+from permissions.sources import AclResolver  # noqa: E402
+from rag.pipeline import Rag  # noqa: E402
+from rag.settings import load_settings  # noqa: E402
+from retrieval.evaluate import source_key  # noqa: E402
+
+# (label, retrieval mode, rerank)
+CONFIGS = (("dense", "dense", False), ("keyword", "keyword", False), ("hybrid", "hybrid", False),
+           ("hybrid + rerank", "hybrid", True))
+
+
+@dataclass(frozen=True)
+class Question:
+    question: str
+    principal: Principal
+    sources: tuple[str, ...]  # every page with the answer, readable or not
+    expected: str
+
+
+@dataclass
+class ConfigScore:
+    """Per-configuration totals; recall and MRR over answerable questions only."""
+
+    recalls: list[float] = field(default_factory=list)
+    reciprocal_ranks: list[float] = field(default_factory=list)
+    leaks: list[tuple[str, str, str]] = field(default_factory=list)  # (question, user, page)
+    misses: list[tuple[Question, list[str]]] = field(default_factory=list)  # recall < 1: the top pages
+    seconds: float = 0.0
+
+
+def load(path: Path) -> list[Question]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            out.append(Question(q["question"], Principal(q["user"], frozenset(q.get("groups", ()))),
+                                tuple(q["sources"]), q.get("expected", "")))
+    return out
+
+
+def subset_pages(questions: list[Question], distractors: int) -> list[str]:
+    """The pages the questions name, plus `distractors` others spread evenly over the manual."""
+    named = {s.rpartition("/")[2] for q in questions for s in q.sources}
+    others = [p for p in sorted(page_folders()) if p not in named]
+    step = max(1, len(others) // distractors) if distractors else 0
+    return sorted(named | set(others[::step][:distractors] if step else ()))
+
+
+def page_acls(corpus: Path) -> dict[str, frozenset[str]]:
+    """Each page's ACL, resolved from the sidecars the way ingest resolves it."""
+    resolver = AclResolver(corpus)
+    return {str(p.relative_to(corpus)): resolver.resolve(p)[0] for p in sorted(corpus.rglob("*.html"))}
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except ImportError:
+        gpu = "no torch"
+    return f"{cpu}, {len(os.sched_getaffinity(0))} CPUs usable, {gpu}"
+
+
+def score(rag: Rag, questions: list[Question], corpus: Path, acls: dict[str, frozenset[str]],
+          mode: str, rerank: bool, k: int) -> ConfigScore:
+    retriever = rag.retriever(rerank=rerank)
+    result = ConfigScore()
+    t = time.perf_counter()
+    for q in questions:
+        hits = retriever.retrieve(q.question, q.principal, k=k, candidates=rag.settings.candidates,
+                                  rerank=rerank, mode=mode).hits
+        pages = [source_key(h.document_key, corpus) for h in hits]
+        for page in pages:
+            # An unknown page (not in the corpus's ACL map) counts as a leak too: fail closed.
+            if not q.principal.can_read(acls.get(page, frozenset())):
+                result.leaks.append((q.question, q.principal.user, page))
+        relevant = {s for s in q.sources if q.principal.can_read(acls.get(s, frozenset()))}
+        if not relevant:
+            continue  # should refuse: nothing readable answers it
+        found = relevant.intersection(pages)
+        result.recalls.append(len(found) / len(relevant))
+        first = next((i for i, p in enumerate(pages) if p in relevant), None)
+        result.reciprocal_ranks.append(0.0 if first is None else 1.0 / (first + 1))
+        if len(found) < len(relevant):
+            result.misses.append((q, pages))
+    result.seconds = time.perf_counter() - t
+    return result
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--home", type=Path, help="data directory (default: a fresh temporary one); "
+                        "reuse one to skip re-embedding unchanged pages")
+    parser.add_argument("--corpus", type=Path,
+                        help="corpus directory to build into (default: HOME-corpus, next to --home)")
+    parser.add_argument("--source", type=Path, default=MANUAL, help=f"the manual's HTML folder (default {MANUAL})")
+    parser.add_argument("--questions", type=Path, default=EVAL_DIR / "questions.jsonl",
+                        help="labelled questions (default: the set next to the corpus builder)")
+    parser.add_argument("--subset", type=int, metavar="N",
+                        help="ingest only the questions' pages plus N other pages (quick run)")
+    parser.add_argument("--k", type=int, default=5, help="hits per question (default 5)")
+    parser.add_argument("--show-misses", action="store_true",
+                        help="list each question hybrid + rerank does not fully find, with the pages it returned")
+    args = parser.parse_args()
+
+    base = None if args.home else Path(tempfile.mkdtemp(prefix="rag-pgdocs-"))
+    home = args.home or base / "home"
+    # Next to the data directory, not in it: the data directory holds only rag's own files.
+    corpus = args.corpus or (base / "corpus" if base else home.with_name(home.name + "-corpus"))
+    questions = load(args.questions)
+    pages = subset_pages(questions, args.subset) if args.subset is not None else None
+    try:
+        placed = build_corpus(corpus, args.source, pages)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    acls = page_acls(corpus)
+    rag = Rag(load_settings(home=home))
+    t = time.perf_counter()
+    report = rag.ingest([corpus], progress=False)
+    ingest_s = time.perf_counter() - t
+    stats = rag.retriever(rerank=False).store.stats()
+    answerable = sum(1 for q in questions if any(q.principal.can_read(acls.get(s, frozenset())) for s in q.sources))
+
+    print(f"# PostgreSQL 15 manual, recall@{args.k} by source page, {datetime.date.today()}, {hardware()}")
+    print(f"corpus: {len(placed)} pages, {stats.get('documents')} documents, {stats.get('chunks')} chunks; "
+          f"ingest {ingest_s:.0f} s ({report.added} added, {report.updated} updated, {report.unchanged} unchanged); "
+          f"embedder {rag.embedder.name}, reranker {rag.settings.reranker or 'packaged default'}, "
+          f"chunks of {rag.settings.chunk_max_tokens} tokens, candidates {rag.settings.candidates}")
+    print(f"questions: {len(questions)} ({answerable} answerable, {len(questions) - answerable} should refuse)")
+    print()
+    print(f"| configuration | recall@{args.k} | vs dense | MRR@{args.k} | fully found | leaks | s/question |")
+    print("|---|---|---|---|---|---|---|")
+    scores = {}
+    for label, mode, rerank in CONFIGS:
+        scores[label] = s = score(rag, questions, corpus, acls, mode, rerank, args.k)
+        dense = mean(scores["dense"].recalls)
+        ratio = f"{mean(s.recalls) / dense:.2f}" if dense else "-"
+        print(f"| {label} | {mean(s.recalls):.3f} | {ratio} | {mean(s.reciprocal_ranks):.3f} "
+              f"| {len(s.recalls) - len(s.misses)}/{len(s.recalls)} | {len(s.leaks)} "
+              f"| {s.seconds / len(questions):.2f} |")
+    for label, s in scores.items():
+        for question, user, page in s.leaks:
+            print(f"LEAK ({label}): {user} asked {question!r} and got {page}")
+    if args.show_misses:
+        print("\nnot fully found by hybrid + rerank:")
+        for q, got in scores["hybrid + rerank"].misses:
+            print(f"- {q.principal.user}: {q.question!r}\n    wanted {', '.join(q.sources)}"
+                  f"\n    got    {', '.join(got)}")
+    if any(s.leaks for s in scores.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
