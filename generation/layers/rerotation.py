@@ -1,0 +1,60 @@
+"""Re-rotation of cached keys: move already-rotated K from position p to p + delta without the raw K.
+
+RoPE rotates each pair i of a key by the angle omega_i * p, and rotations compose: R(a) R(b) =
+R(a + b). So RoPE(k, p + delta) = R(omega_i * delta) RoPE(k, p) exactly whenever the frequency
+vector omega depends on neither the position nor the sequence length. That holds for the
+"default", "linear" and "llama3" schemes (`rope_inv_freq` is one fixed vector for a model), and
+not for dynamic-NTK, LongRoPE or YaRN-style schemes, which `check_rerotatable` refuses.
+
+The rotation is done once by delta, in fp32, then cast back to the cache dtype: one rounding,
+where un-rotating and re-rotating in bf16 (as LMCache does) would round twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Schemes whose frequency vector is fixed per model (see the module docstring).
+REROTATABLE_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def check_rerotatable(scaling: dict[str, Any]) -> None:
+    """Raise ValueError unless keys rotated under this rope scaling can be moved by a delta exactly.
+
+    Raises:
+        ValueError: a rope_type whose frequencies depend on the position or the length.
+    """
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in REROTATABLE_ROPE_TYPES:
+        raise ValueError(
+            f"chunk KV reuse needs a RoPE scheme with fixed frequencies ({', '.join(REROTATABLE_ROPE_TYPES)}); "
+            f"{rope_type!r} depends on the position or the length, so moving cached keys is not exact: "
+            'use kv_reuse="exact"'
+        )
+
+
+def rerotate_keys(k: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.Tensor:
+    """Keys rotated at position p, moved to position p + delta, in k's dtype.
+
+    Args:
+        k: [..., D] keys already rotated in the "rotate half" layout (the engine's cache layout:
+            the first D / 2 channels pair with the last D / 2).
+        inv_freq: [D / 2] fp32, the model's `rope_inv_freq` (scaling applied).
+        delta: positions to move by (any sign; 0 returns an unchanged copy).
+
+    Returns:
+        A new tensor shaped like k.
+    """
+    if delta == 0:
+        return k.clone()
+    half = k.shape[-1] // 2
+    # The angle in fp32 from an exact integer delta: the same product RotaryEmbedding forms.
+    angle = float(delta) * inv_freq.to(device=k.device, dtype=torch.float32)
+    cos, sin = angle.cos(), angle.sin()
+    kf = k.float()
+    x1, x2 = kf[..., :half], kf[..., half:]
+    # Pair (x1, x2) rotated by the angle: the same formula as apply_rotary's x*cos + rotate_half(x)*sin.
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(k.dtype)
