@@ -204,6 +204,24 @@ class LLMEngine:
     def get_metrics(self) -> MetricsSnapshot:
         return self.metrics.snapshot(self.scheduler)
 
+    def num_cached_prefix_tokens(self, token_ids: list[int], namespace: NamespaceSpec = None) -> int:
+        """Leading tokens of `token_ids` whose KV the prefix cache holds now under `namespace` (whole blocks).
+
+        Read-only: no reference count, LRU position or hit counter changes, so a caller can probe
+        several candidate prompts (orders of retrieved sources) and submit one. It only reads
+        the cache's maps, so another thread than the stepping one may call it; the answer can be
+        stale by the time a request is added.
+
+        Raises:
+            ValueError: malformed namespace regions (see CacheNamespaces.of).
+        """
+        if not token_ids:
+            return 0
+        # One token more: the block holding a prompt's last token is never taken from the cache,
+        # and here every full block of token_ids counts.
+        probe = Sequence([*token_ids, 0], max_tokens=1, namespace=namespace)
+        return self.block_manager.num_prefix_hit_tokens(probe)
+
     # ---------------------------------------------------------------------------------------------
     # A step
     # ---------------------------------------------------------------------------------------------
