@@ -14,6 +14,8 @@ from rag.errors import ModelError
 if TYPE_CHECKING:
     import torch
 
+    from generation.engine.chunk_reuse import ChunkRecompute
+
 logger = logging.getLogger(__name__)
 
 # Mistral is the Llama architecture (no attention biases, head_dim may be set) plus an optional
@@ -180,6 +182,7 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+KV_REUSE_MODES = ("exact", "chunks")
 # Steps per scheduled batch on CUDA: the host's per-batch work (schedule, pack, sync, finish
 # checks) is then paid once per 8 tokens, while a new request waits at most 8 steps to join.
 DEFAULT_CUDA_SCHEDULER_STEPS = 8
@@ -214,6 +217,16 @@ class EngineConfig:
         dtype: "float32", "float16", "bfloat16" (or the torch dtype); None gives bf16 on CUDA
             and fp32 on CPU.
         device: "cuda", "cuda:1", "cpu"; None picks CUDA when available.
+        kv_reuse: how segmented prompts (`LLMEngine.add_segmented_request`) reuse KV. "exact":
+            only exact prefixes, bit for bit what full prefill computes. "chunks": a chunk's KV
+            is computed once after the shared head and reused at any position in later prompts
+            (re-rotated; an approximation, see docs/benchmarks.md for its quality), the labels,
+            each reused chunk's first tokens and the question recomputed. Needs prefix caching
+            and a RoPE scheme with fixed frequencies (default, linear, llama3).
+        chunk_recompute: in "chunks" mode, what of a reused chunk is recomputed:
+            "first_block" (its first KV block) or "fraction" (its leading chunk_recompute_fraction).
+        chunk_recompute_fraction: share of a reused chunk's tokens recomputed in "fraction" mode.
+            Range (0, 1]; 1 recomputes everything.
 
     Raises:
         ValueError: a value out of range.
@@ -231,6 +244,9 @@ class EngineConfig:
     num_scheduler_steps: int | None = None
     dtype: str | torch.dtype | None = None
     device: str | None = None
+    kv_reuse: str = "exact"
+    chunk_recompute: str = "first_block"
+    chunk_recompute_fraction: float = 0.15
 
     def __post_init__(self) -> None:
         # The limits the scheduler shares are checked by the same function it uses, so both
@@ -242,6 +258,18 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be None (measure) or >= 1, got {self.num_kv_blocks}")
         if self.dtype is not None and self.dtype_name not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; valid: None, {', '.join(DTYPE_NAMES)}")
+        if self.kv_reuse not in KV_REUSE_MODES:
+            raise ValueError(f"kv_reuse {self.kv_reuse!r} is not supported; valid: {', '.join(KV_REUSE_MODES)}")
+        if self.kv_reuse == "chunks" and not self.enable_prefix_caching:
+            raise ValueError('kv_reuse="chunks" keeps chunk KV in the prefix cache: enable_prefix_caching must be on')
+        # The recompute choice is checked where it lives (ChunkRecompute), with its own words.
+        self.chunk_recompute_choice()
+
+    def chunk_recompute_choice(self) -> ChunkRecompute:
+        """chunk_recompute and its fraction as the planner's setting."""
+        from generation.engine.chunk_reuse import ChunkRecompute
+
+        return ChunkRecompute(self.chunk_recompute, self.chunk_recompute_fraction)
 
     def scheduler_steps_on(self, device_type: str) -> int:
         """num_scheduler_steps, with None resolved for a device type ("cuda", "cpu")."""

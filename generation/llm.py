@@ -14,6 +14,7 @@ from generation.config import EngineConfig, ModelConfig
 from generation.engine.cache_namespaces import NamespaceSpec
 from generation.engine.llm_engine import LLMEngine
 from generation.engine.metrics import MetricsSnapshot
+from generation.engine.prompt_segments import PromptSegment
 from generation.models.llama import LlamaForCausalLM
 from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
@@ -103,6 +104,35 @@ class LLM:
             for p, sp in zip(prompts, params_list, strict=True)
         ]
         ids = [self.engine.add(r) for r in requests]
+        outputs: dict[int, RequestOutput] = {}
+        try:
+            while len(outputs) < len(ids):
+                for update in self.engine.step():
+                    if update.output is not None:
+                        outputs[update.request_id] = update.output
+        finally:
+            for request_id in ids:
+                if request_id not in outputs:
+                    self.engine.abort(request_id)
+        return [outputs[i] for i in ids]
+
+    def generate_segmented(
+        self,
+        prompts: list[list[PromptSegment]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for prompts given as segments (LLMEngine.add_segmented_request), batched together.
+
+        With the engine's kv_reuse="chunks" the chunks' KV is reused across positions and
+        prompts; with "exact" this equals generate() on the concatenated ids and regions.
+        """
+        if not prompts:
+            return []
+        params_list = self._params_for(len(prompts), params)
+        ids = [
+            self.engine.add_segmented_request(p, sp, incremental_text=False)
+            for p, sp in zip(prompts, params_list, strict=True)
+        ]
         outputs: dict[int, RequestOutput] = {}
         try:
             while len(outputs) < len(ids):

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import TYPE_CHECKING
 
 from generation.engine.prefix_cache import PrefixCache, hash_block
 from generation.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from generation.engine.chunk_reuse import ChunkReusePlan
+
+
+# Publish limit of a sequence whose blocks all hold its own exact KV.
+_NO_LIMIT = 1 << 62
 
 
 class BlockManager:
@@ -39,6 +47,9 @@ class BlockManager:
         # Sequences holding blocks, and how many of their leading blocks are published (or were hits).
         self._seqs: dict[int, Sequence] = {}
         self._num_published: dict[int, int] = {}
+        # Leading blocks of a sequence that may ever be published: all of them, except for a
+        # sequence with chunk KV copied in, whose blocks from the first filled one on are approximate.
+        self._publish_limit: dict[int, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -79,30 +90,50 @@ class BlockManager:
         """
         return self._match(seq)
 
-    def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
+    def can_allocate(self, seq: Sequence, hits: list[int] | None = None, plan: ChunkReusePlan | None = None) -> bool:
         hits = self._match(seq) if hits is None else hits
-        return self._blocks_to_take(seq, hits) <= self.num_free_blocks
+        return self._blocks_to_take(seq, hits, plan) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
+    def allocate(self, seq: Sequence, hits: list[int] | None = None, plan: ChunkReusePlan | None = None) -> None:
         """Give seq blocks for all its current tokens, reusing the longest cached run of leading blocks.
 
         Sets `seq.num_cached_tokens` and `seq.num_computed_tokens` to the tokens served from the cache.
         `hits`: what `match(seq)` returned, if nothing changed the pool since.
+        `plan`: chunk KV to copy into seq's own blocks (ChunkReusePlanner.plan); its source blocks
+        are held (referenced) until `release_held`, after the copies ran.
         """
         assert seq.seq_id not in self._seqs and not seq.block_table, f"{seq} already holds blocks"
         hits = self._match(seq) if hits is None else hits
-        assert self._blocks_to_take(seq, hits) <= self.num_free_blocks, f"not enough free blocks for {seq}"
-        # Take the hits out of the evictable pool before taking new blocks, so that eviction below
-        # cannot hand out a block this sequence is about to reuse.
+        assert self._blocks_to_take(seq, hits, plan) <= self.num_free_blocks, f"not enough free blocks for {seq}"
+        # Take the hits (and the copies' sources) out of the evictable pool before taking new
+        # blocks, so that eviction below cannot hand out a block this sequence is about to read.
         for block_id in hits:
+            self._incref(block_id)
+        held = plan.held_blocks if plan is not None else []
+        for block_id in held:
             self._incref(block_id)
         new_blocks = [self._take_block() for _ in range(seq.num_blocks(self.block_size) - len(hits))]
         seq.block_table = hits + new_blocks
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self._seqs[seq.seq_id] = seq
         self._num_published[seq.seq_id] = len(hits)
+        self._publish_limit[seq.seq_id] = _NO_LIMIT
+        if plan is not None and plan.filled_ranges:
+            # Copies land only in blocks this sequence took just now (logical index >= hits).
+            assert all(dst >= len(hits) for _, dst, _ in plan.copies)
+            seq.held_blocks = list(held)
+            seq.kv_copies = [(src, seq.block_table[dst], delta) for src, dst, delta in plan.copies]
+            seq.filled_ranges = list(plan.filled_ranges)
+            self._publish_limit[seq.seq_id] = plan.filled_ranges[0][0] // self.block_size
+            seq.num_computed_tokens = seq.skip_filled(seq.num_computed_tokens)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_cached_tokens
+
+    def release_held(self, seq: Sequence) -> None:
+        """Drop seq's references to the blocks its copies read (the copies have run)."""
+        held, seq.held_blocks, seq.kv_copies = seq.held_blocks, [], []
+        for block_id in held:
+            self._decref(block_id)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table holds the first num_tokens tokens."""
@@ -133,7 +164,8 @@ class BlockManager:
         if self._cache is None:
             return
         start = self._num_published[seq.seq_id]
-        end = seq.num_computed_tokens // self.block_size
+        # Never past the limit: blocks after copied-in KV hold an approximation, not this prefix's KV.
+        end = min(seq.num_computed_tokens // self.block_size, self._publish_limit[seq.seq_id])
         for i in range(start, end):
             # insert() refuses a hash that another block already serves; this copy stays private.
             self._cache.insert(
@@ -150,18 +182,24 @@ class BlockManager:
         owner = self._seqs.pop(seq.seq_id, None)
         assert owner is seq, f"{seq} holds no blocks"
         del self._num_published[seq.seq_id]
+        del self._publish_limit[seq.seq_id]
+        self.release_held(seq)
         # Last block first: the LRU pool then evicts a chain's tail before its head, and a head
         # alone still serves hits while a tail without its head never can.
         for block_id in reversed(seq.block_table):
-            self._ref_counts[block_id] -= 1
-            assert self._ref_counts[block_id] >= 0
-            if self._ref_counts[block_id] == 0:
-                if self._cache is not None and self._cache.is_cached(block_id):
-                    self._cache.release(block_id)
-                else:
-                    self._free.append(block_id)
+            self._decref(block_id)
         seq.block_table = []
+        seq.filled_ranges = []  # the copies went with the blocks; a readmission plans again
         seq.num_computed_tokens = 0
+
+    def _decref(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        assert self._ref_counts[block_id] >= 0
+        if self._ref_counts[block_id] == 0:
+            if self._cache is not None and self._cache.is_cached(block_id):
+                self._cache.release(block_id)
+            else:
+                self._free.append(block_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence references; returns how many were dropped.
@@ -177,7 +215,7 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (for tests)."""
         cache = self._cache
-        references = Counter(b for seq in self._seqs.values() for b in seq.block_table)
+        references = Counter(b for seq in self._seqs.values() for b in seq.block_table + seq.held_blocks)
         free = set(self._free)
         evictable = set(cache.evictable_blocks()) if cache is not None else set()
         _check(len(free) == len(self._free), "a block is on the free list twice")
@@ -192,6 +230,10 @@ class BlockManager:
             _check(seq.seq_id == seq_id, f"{seq} filed under id {seq_id}")
             _check(len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq} computed past its table")
             _check(len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice")
+            # Copies write only the sequence's own private blocks, never a shared or cached one.
+            for _, dst, _ in seq.kv_copies:
+                _check(self._ref_counts[dst] == 1, f"{seq} copies into block {dst}, which others reference")
+                _check(cache is None or not cache.is_cached(dst), f"{seq} copies into cached block {dst}")
         if cache is None:
             return
         cache.check_invariants()
@@ -231,11 +273,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def _blocks_to_take(self, seq: Sequence, hits: list[int]) -> int:
-        # Hits that sit in the evictable pool are counted in num_free_blocks, so they use up free
-        # capacity just like new blocks; hits already referenced cost nothing.
-        evictable_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
-        return seq.num_blocks(self.block_size) - len(hits) + evictable_hits
+    def _blocks_to_take(self, seq: Sequence, hits: list[int], plan: ChunkReusePlan | None = None) -> int:
+        # Hits (and held copy sources) that sit in the evictable pool are counted in
+        # num_free_blocks, so they use up free capacity just like new blocks; blocks already
+        # referenced cost nothing.
+        read = set(hits) | set(plan.held_blocks if plan is not None else ())
+        evictable_reads = sum(1 for b in read if self._ref_counts[b] == 0)
+        return seq.num_blocks(self.block_size) - len(hits) + evictable_reads
 
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         hashes = seq.block_hashes

@@ -12,12 +12,21 @@ from typing import Any
 from generation.config import EngineConfig
 from generation.engine.block_manager import BlockManager
 from generation.engine.cache_namespaces import CacheNamespaces, NamespaceSpec
+from generation.engine.chunk_reuse import ChunkReusePlanner, compile_prompt
 from generation.engine.detokenizer import PROMPT_CONTEXT_TOKENS
 from generation.engine.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from generation.engine.model_runner import ModelRunner
 from generation.engine.output_state import OutputState
+from generation.engine.prompt_segments import (
+    PromptSegment,
+    SegmentKind,
+    check_segments,
+    namespace_regions,
+    prompt_token_ids,
+)
 from generation.engine.scheduler import Scheduler, SchedulerConfig
 from generation.engine.sequence import Sequence, SequenceStatus
+from generation.layers.rerotation import check_rerotatable
 from generation.outputs import RequestOutput
 from generation.sampling_params import SamplingParams
 from rag.errors import GenerationError, ModelError
@@ -53,14 +62,18 @@ class RequestUpdate:
 
 
 class Request:
-    """One request inside the engine: its Sequence for the scheduler, its OutputState for stop checks and text."""
+    """One request inside the engine: its Sequence for the scheduler, its OutputState for stop checks and text.
 
-    __slots__ = ("seq", "output_state", "incremental_text")
+    An internal request (a chunk compile) has no caller: it produces no updates or metrics.
+    """
+
+    __slots__ = ("seq", "output_state", "incremental_text", "internal")
 
     def __init__(self, seq: Sequence, output_state: OutputState, incremental_text: bool) -> None:
         self.seq = seq
         self.output_state = output_state
         self.incremental_text = incremental_text
+        self.internal = False
 
     @property
     def request_id(self) -> int:
@@ -109,9 +122,18 @@ class LLMEngine:
             enable_chunked_prefill=self.config.enable_chunked_prefill,
             num_scheduler_steps=self.model_runner.num_scheduler_steps,
         )
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.chunk_planner: ChunkReusePlanner | None = None
+        if self.config.kv_reuse == "chunks":
+            try:
+                check_rerotatable(self.model_config.rope_scaling)
+            except ValueError as exc:
+                raise ModelError(f"{self.model_dir}: {exc}") from exc
+            self.chunk_planner = ChunkReusePlanner(self.block_manager, self.config.chunk_recompute_choice())
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, self.chunk_planner)
         self.metrics = EngineMetrics()
         self._requests: dict[int, Request] = {}
+        # Chunk compiles queued and not finished yet, by what they compute: one per chunk at a time.
+        self._compiles: dict[tuple, int] = {}
 
     # ---------------------------------------------------------------------------------------------
     # Requests
@@ -182,7 +204,57 @@ class LLMEngine:
         """Queue a request built by make_request; returns its id."""
         self.scheduler.add(request.seq)
         self._requests[request.request_id] = request
-        self.metrics.on_arrival(request.request_id, request.seq.arrival_time)
+        if not request.internal:
+            self.metrics.on_arrival(request.request_id, request.seq.arrival_time)
+        return request.request_id
+
+    def add_segmented_request(
+        self,
+        segments: SequenceABC[PromptSegment],
+        params: SamplingParams | None = None,
+        *,
+        incremental_text: bool = True,
+    ) -> int:
+        """Queue a prompt given as segments (head, labels and chunks, suffix); returns its id.
+
+        The prompt is the segments' token ids concatenated, each segment in its own prefix-cache
+        namespace. With `kv_reuse="exact"` that is all: full-prefill results, exact prefix hits.
+        With `kv_reuse="chunks"` each chunk's KV comes from its canonical chain `head ‖ chunk`
+        (computed first, standalone, when the cache lacks it; the request waits for it) at any
+        position, re-rotated, and the labels, each reused chunk's first block (or fraction) and
+        the suffix are recomputed. A chunk is reused only under its own namespace, head and exact
+        token ids; reuse needs the head and the chunk to start on KV block boundaries (a chunk
+        that does not is computed in place).
+
+        Raises:
+            GenerationError: malformed segments, or the prompt is invalid as in add_request.
+        """
+        try:
+            segments = tuple(segments)
+            check_segments(segments)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise GenerationError(f"bad prompt segments: {exc}") from exc
+        request = self.make_request(
+            prompt_token_ids(segments), params, namespace_regions(segments), incremental_text=incremental_text
+        )
+        if self.chunk_planner is not None:
+            request.seq.segments = segments
+            head = segments[0]
+            for chunk in segments:
+                if chunk.kind is SegmentKind.CHUNK and not self.chunk_planner.lookup(head, chunk):
+                    request.seq.waits_for.add(self._compile(head, chunk))
+        return self.add(request)
+
+    def _compile(self, head: PromptSegment, chunk: PromptSegment) -> int:
+        """Queue (once) the prefill of `head ‖ chunk` that publishes the chunk's canonical KV; its id."""
+        key = (head.namespace, head.token_ids, chunk.namespace, chunk.token_ids)
+        pending = self._compiles.get(key)
+        if pending is not None and pending in self._requests:
+            return pending
+        ids, regions = compile_prompt(head, chunk)
+        request = self.make_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), regions, incremental_text=False)
+        request.internal = True
+        self._compiles[key] = self.add(request)
         return request.request_id
 
     def abort(self, request_id: int) -> bool:
@@ -246,7 +318,7 @@ class LLMEngine:
             batch, [r.output_state.params for r in requests], [r.output_state.generator for r in requests]
         )
         on_token = self.metrics.on_token
-        for tokens in steps:
+        for tokens in steps:  # internal requests have no arrival, so on_token ignores them
             now = time.monotonic()
             still: list[int] = []
             for row in live:
@@ -266,7 +338,8 @@ class LLMEngine:
             request.seq.finished = request.output_state.is_finished
             sampled[request.request_id] = tokens
         self.scheduler.postprocess(batch, sampled)
-        return [self._update(request, tokens) for request, tokens in zip(requests, kept, strict=True)]
+        updates = [self._update(request, tokens) for request, tokens in zip(requests, kept, strict=True)]
+        return [u for u, r in zip(updates, requests, strict=True) if not r.internal]
 
     def _update(self, request: Request, tokens: list[int]) -> RequestUpdate:
         output_state = request.output_state
@@ -279,6 +352,9 @@ class LLMEngine:
         if not finished:
             return RequestUpdate(request.request_id, tokens, delta, False)
         del self._requests[request.request_id]
+        if request.internal:
+            self._compiles = {k: v for k, v in self._compiles.items() if v != request.request_id}
+            return RequestUpdate(request.request_id, tokens, delta, True)
         if output_state.detokenizer is None and self.tokenizer is not None:
             output_state.text = self._decode_output(output_state)
         return RequestUpdate(

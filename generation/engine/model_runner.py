@@ -21,6 +21,7 @@ from generation.layers.attention import AttentionMetadata, KVCache
 from generation.layers.kernel_choice import triton_fused_for
 from generation.layers.linear import Linear
 from generation.layers.paged_attention import attention_backend
+from generation.layers.rerotation import rerotate_keys
 from generation.layers.sampler import sample
 from generation.loader import load_model
 from generation.models.llama import LlamaForCausalLM
@@ -173,12 +174,38 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the batch's first step (writing its KV) and return fp32 logits [N, V] of its sampling entries."""
+        self.copy_kv_blocks(batch.kv_copies)
         return self.step_logits(self.prepare_inputs(batch)).float()
+
+    def copy_kv_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy whole KV blocks (every layer) from source to destination, keys moved by the delta.
+
+        Chunk KV reuse, KV-REUSE.md B4 option B: a chunk cached at one position is copied into a
+        request's private blocks at another, keys re-rotated once in fp32 (`rerotate_keys`). One
+        gather and one scatter per distinct delta (a chunk's blocks share one), not per block.
+
+        Args:
+            copies: (source block, destination block, position delta); sources are only read.
+        """
+        if not copies:
+            return
+        by_delta: dict[int, list[tuple[int, int]]] = {}
+        for src, dst, delta in copies:
+            by_delta.setdefault(delta, []).append((src, dst))
+        inv_freq = self.model.model.rotary_emb.inv_freq
+        kv = self.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        with torch.inference_mode():
+            for delta, pairs in by_delta.items():
+                src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+                dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+                kv[:, 1, dst] = kv[:, 1, src]
+                kv[:, 0, dst] = rerotate_keys(kv[:, 0, src], inv_freq, delta)
 
     def _launch(
         self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> int:
         """Queue every step of the batch on the device; returns the rows each step samples."""
+        self.copy_kv_blocks(batch.kv_copies)
         inputs = self.prepare_inputs(batch)
         logits = self.step_logits(inputs)
         num_rows = logits.shape[0]

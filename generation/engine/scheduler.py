@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from generation.engine.block_manager import BlockManager
+from generation.engine.chunk_reuse import ChunkReusePlanner
 from generation.engine.limits import check_engine_limits
 from generation.engine.sequence import Sequence, SequenceStatus
 from rag.errors import GenerationError
@@ -75,6 +76,9 @@ class ScheduledBatch:
     # Sequences preempted while building this step; they wait for recompute.
     preempted: list[Sequence] = field(default_factory=list)
     num_steps: int = 1
+    # (source block, destination block, position delta) KV copies to run before the step:
+    # chunk KV of newly admitted sequences (chunk_reuse.py). Destinations are private blocks.
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -105,21 +109,33 @@ class Scheduler:
     the most recently arrived running sequence is preempted: its blocks are released and it
     recomputes prompt + output later (often mostly from the prefix cache).
 
+    A sequence with chunk KV copied in (`Sequence.filled_ranges`) feeds only the runs between
+    the filled ranges, in position order; several runs of one sequence may share a step, each an
+    entry whose context ends where the run ends, so the kernels apply the true causal mask.
+
     Args:
         config: step limits.
         block_manager: the KV block pool; its block_size must equal config.block_size.
+        chunk_planner: plans chunk KV reuse for segmented sequences (`Sequence.segments`);
+            None admits them as ordinary prompts (exact reuse only).
 
     Raises:
         ValueError: the block sizes differ.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, chunk_planner: ChunkReusePlanner | None = None
+    ) -> None:
         if block_manager.block_size != config.block_size:
             raise ValueError(
                 f"block manager block_size {block_manager.block_size} != scheduler block_size {config.block_size}"
             )
         self.config = config
         self.block_manager = block_manager
+        self.chunk_planner = chunk_planner
+        # Prompt tokens fed to the model (prefill entries), against those served by the prefix
+        # cache or by chunk copies: the "computed" side of the reuse metrics.
+        self.num_computed_prompt_tokens = 0
         self.waiting: deque[Sequence] = deque()
         # Sorted by arrival, so the last one is the first to preempt.
         self.running: list[Sequence] = []
@@ -203,16 +219,18 @@ class Scheduler:
                 break
             if seq.seq_id in scheduled:
                 continue
-            entries.append(self._prefill_entry(seq, budget))
+            added = self._prefill_entries(seq, budget)
+            entries += added
             scheduled.add(seq.seq_id)
-            budget -= entries[-1].num_new_tokens
+            budget -= sum(e.num_new_tokens for e in added)
 
         # Admitting after a preemption would take back the blocks just freed and thrash.
+        kv_copies: list[tuple[int, int, int]] = []
         if not preempted:
-            self._admit(entries, budget)
+            self._admit(entries, budget, kv_copies)
         num_steps = self._plan_steps(entries) if not preempted else 1
-        self.max_num_running = max(self.max_num_running, len(entries))
-        return ScheduledBatch(entries, preempted, num_steps)
+        self.max_num_running = max(self.max_num_running, len({e.seq.seq_id for e in entries}))
+        return ScheduledBatch(entries, preempted, num_steps, kv_copies)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Sequence]:
         """Account for a batch the model ran; returns the sequences that finished and were freed.
@@ -234,7 +252,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and postprocess
             assert seq.num_computed_tokens == entry.start_pos, f"{seq} moved since it was scheduled"
-            seq.num_computed_tokens += entry.num_new_tokens
+            # Past a filled range that follows the run: its KV was copied in, not computed.
+            seq.num_computed_tokens = seq.skip_filled(seq.num_computed_tokens + entry.num_new_tokens)
+            if seq.held_blocks:
+                self.block_manager.release_held(seq)  # the step's copies have run
+            if not entry.is_decode:
+                self.num_computed_prompt_tokens += entry.num_new_tokens
             if entry.samples:
                 tokens = sampled.get(seq.seq_id)
                 if not tokens or len(tokens) > batch.num_steps:
@@ -300,29 +323,47 @@ class Scheduler:
         manager.may_append(seq)
         return True
 
-    def _prefill_entry(self, seq: Sequence, budget: int) -> ScheduledEntry:
-        pending = seq.num_pending_tokens
-        num_new = min(pending, budget)
-        return ScheduledEntry(seq, num_new, seq.num_computed_tokens, samples=num_new == pending)
+    def _prefill_entries(self, seq: Sequence, budget: int) -> list[ScheduledEntry]:
+        """seq's next runs that fit the budget, in position order (one for an ordinary prompt)."""
+        entries: list[ScheduledEntry] = []
+        start, total = seq.num_computed_tokens, seq.num_tokens
+        while budget > 0 and start < total:
+            run_end = seq.run_end(start)
+            num_new = min(run_end - start, budget)
+            entries.append(ScheduledEntry(seq, num_new, start, samples=start + num_new == total))
+            budget -= num_new
+            if start + num_new < run_end:
+                break  # the budget ran out inside the run
+            start = seq.skip_filled(run_end)
+        return entries
 
-    def _admit(self, entries: list[ScheduledEntry], budget: int) -> None:
+    def _admit(self, entries: list[ScheduledEntry], budget: int, kv_copies: list[tuple[int, int, int]]) -> None:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.waits_for & self._seqs.keys():
+                break  # its chunks' canonical KV is still being computed (first come, first served)
             self._check_fits_pool(seq)
             hits = manager.match(seq)  # hashing and looking up a long prompt once, not three times
-            if not manager.can_allocate(seq, hits):
+            plan = None
+            if self.chunk_planner is not None and seq.segments is not None:
+                plan = self.chunk_planner.plan(seq, len(hits))
+            if not manager.can_allocate(seq, hits, plan):
                 break
-            pending = seq.num_tokens - len(hits) * self.config.block_size
+            filled = plan.num_filled_tokens if plan is not None else 0
+            pending = seq.num_tokens - len(hits) * self.config.block_size - filled
             if pending > budget and not self.config.enable_chunked_prefill:
                 break  # waits for a step where the whole prompt fits
-            manager.allocate(seq, hits)
-            assert seq.num_pending_tokens == pending
+            manager.allocate(seq, hits, plan)
+            if plan is not None:
+                self.chunk_planner.record(plan)
+                kv_copies += seq.kv_copies
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival_order)
-            entries.append(self._prefill_entry(seq, budget))
-            budget -= entries[-1].num_new_tokens
+            added = self._prefill_entries(seq, budget)
+            entries += added
+            budget -= sum(e.num_new_tokens for e in added)
 
     def _check_fits_pool(self, seq: Sequence) -> None:
         needed = seq.num_blocks(self.config.block_size)

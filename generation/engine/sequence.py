@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from enum import Enum
 
 from generation.engine.cache_namespaces import CacheNamespaces, NamespaceKey, NamespaceSpec
+from generation.engine.prompt_segments import PromptSegment
 
 # Process-wide ids: one engine may hold requests created by several callers.
 _seq_ids = itertools.count()
@@ -69,6 +70,18 @@ class Sequence:
         # Hash chain of the full blocks, filled lazily by the block manager. Tokens are append-only,
         # so the hashes stay valid across preemption and need computing once per sequence.
         self.block_hashes: list[bytes] = []
+        # Chunk KV reuse (chunk_reuse.py): the prompt's segments when the engine may fill its
+        # chunks from other prompts' KV; None for an ordinary request.
+        self.segments: tuple[PromptSegment, ...] | None = None
+        # Ranges [start, end) of positions whose KV was copied in (re-rotated), not computed, sorted;
+        # the model is fed every other position. Set at allocation, cleared when the blocks go.
+        self.filled_ranges: list[tuple[int, int]] = []
+        # (source block, logical block index, delta) copies to run before the sequence's first step,
+        # and the source blocks held (referenced) until then so that nothing evicts them first.
+        self.kv_copies: list[tuple[int, int, int]] = []
+        self.held_blocks: list[int] = []
+        # Internal requests (chunk compiles) this one waits for before it is admitted.
+        self.waits_for: set[int] = set()
 
     def __repr__(self) -> str:
         return (
@@ -108,6 +121,20 @@ class Sequence:
     def block_namespace_key(self, i: int, block_size: int) -> NamespaceKey:
         """Namespace key of logical block i: every namespace region covering one of its tokens."""
         return self.cache_namespaces.block_key(i, block_size)
+
+    def run_end(self, start: int) -> int:
+        """End of the computed run at `start`: the next filled range's start, or the last token."""
+        for begin, _ in self.filled_ranges:
+            if begin >= start:
+                return begin
+        return len(self.token_ids)
+
+    def skip_filled(self, position: int) -> int:
+        """`position`, moved past a filled range that begins there (its KV needs no computing)."""
+        for begin, end in self.filled_ranges:
+            if begin == position:
+                return end
+        return position
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

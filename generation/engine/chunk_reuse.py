@@ -1,0 +1,163 @@
+"""ChunkReusePlanner: fill a prompt's chunks from their canonical KV, and choose what is recomputed.
+
+A chunk's canonical KV is the prefix-cache chain of `head ‖ chunk`, computed once standalone
+after the shared head P (a "compile" request, `LLMEngine.add_segmented_request`). A later prompt
+holding the chunk at start s copies those blocks into private blocks of its own, keys re-rotated
+by delta = s - |P| (`layers/rerotation.py`), and the model recomputes the rest in position order
+with the true causal mask: every label, each reused chunk's first block (or a leading fraction of
+its tokens), anything that missed, and the suffix. That is KV-REUSE.md B2-B5, option B (private
+re-rotated copies; no kernel changes).
+
+Isolation comes from the prefix cache itself: the canonical chain is looked up under the chunk's
+own namespace (its document's permission domain), the head's chain as parent and the exact token
+ids, as every prefix-cache hit is. No new key is needed because canonical blocks are ordinary,
+exact prefix-cache blocks. The approximate (blended) blocks are never published
+(`BlockManager.allocate` caps publishing at the first filled range), so they can never be served
+as exact hits, and canonical blocks are only ever read (the copies' sources, never in a
+sequence's table).
+
+Plain Python, no torch: the copies are carried out by the model runner before the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from generation.engine.prompt_segments import PromptSegment, SegmentKind, segment_starts
+from generation.engine.sequence import Sequence
+
+RECOMPUTE_CHOICES = ("first_block", "fraction")
+
+
+@dataclass(frozen=True)
+class ChunkRecompute:
+    """Which tokens of a reused chunk the model recomputes in the new prompt.
+
+    Args:
+        mode: "first_block" (MEPIC/EPIC: the chunk's first KV block, which restores the attention
+            sink at the chunk's start) or "fraction" (its leading ceil(fraction * length) tokens).
+        fraction: for "fraction", in (0, 1]; 1 recomputes everything (equal to full prefill).
+
+    Raises:
+        ValueError: an unknown mode or a fraction out of range.
+    """
+
+    mode: str = "first_block"
+    fraction: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.mode not in RECOMPUTE_CHOICES:
+            raise ValueError(f"chunk recompute mode {self.mode!r} is not supported; valid: {RECOMPUTE_CHOICES}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"chunk recompute fraction must be in (0, 1], got {self.fraction}")
+
+    def num_tokens(self, chunk_len: int, block_size: int) -> int:
+        """Leading tokens of a chunk of chunk_len tokens that are recomputed (at least one)."""
+        if self.mode == "first_block":
+            return min(chunk_len, block_size)
+        return max(1, min(chunk_len, math.ceil(self.fraction * chunk_len)))
+
+
+@dataclass
+class ChunkReusePlan:
+    """What admission does for one segmented sequence: copies in, ranges filled, what was found."""
+
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (source block, logical block, delta)
+    filled_ranges: list[tuple[int, int]] = field(default_factory=list)
+    held_blocks: list[int] = field(default_factory=list)  # distinct sources, referenced until copied
+    num_chunks_reused: int = 0
+    # Chunks computed in place: not block-aligned, or their canonical KV was evicted since arrival.
+    num_chunks_in_place: int = 0
+
+    @property
+    def num_filled_tokens(self) -> int:
+        return sum(end - start for start, end in self.filled_ranges)
+
+
+def compile_prompt(head: PromptSegment, chunk: PromptSegment) -> tuple[list[int], list[tuple[int, str | None]]]:
+    """Token ids and namespace regions of a chunk's canonical sequence `head ‖ chunk`."""
+    return [*head.token_ids, *chunk.token_ids], [(0, head.namespace), (len(head.token_ids), chunk.namespace)]
+
+
+class ChunkReusePlanner:
+    """Plans chunk reuse over a block manager's prefix cache (lookups only; no side effects).
+
+    Args:
+        block_manager: the pool whose prefix cache holds the canonical chains.
+        recompute: which tokens of a reused chunk are recomputed.
+    """
+
+    def __init__(self, block_manager, recompute: ChunkRecompute | None = None) -> None:  # noqa: ANN001 (cycle)
+        self.block_manager = block_manager
+        self.recompute = recompute or ChunkRecompute()
+        # Lookups at a request's arrival: canonical KV found, or not (a compile was queued).
+        self.num_chunk_hits = 0
+        self.num_chunk_misses = 0
+        # At admission: chunks filled from canonical KV, chunks computed in place, tokens filled.
+        self.num_chunks_reused = 0
+        self.num_chunks_in_place = 0
+        self.num_reused_tokens = 0
+
+    def lookup(self, head: PromptSegment, chunk: PromptSegment) -> bool:
+        """Whether every full block of the chunk's canonical KV is cached now (a chunk-cache hit or miss).
+
+        A chunk whose leading blocks are cached but not its tail (an edited ending, an evicted
+        tail) is a miss: its compile then recomputes only the missing blocks.
+        """
+        found = len(self.canonical_blocks(head, chunk)) >= max(1, len(chunk.token_ids) // self.block_manager.block_size)
+        if found:
+            self.num_chunk_hits += 1
+        else:
+            self.num_chunk_misses += 1
+        return found
+
+    def canonical_blocks(self, head: PromptSegment, chunk: PromptSegment) -> list[int]:
+        """Cached blocks of the chunk's canonical chain (its full blocks after the head), leading run only.
+
+        Empty when the head is not block-aligned (the chunk's blocks would straddle head tokens).
+        """
+        bs = self.block_manager.block_size
+        head_len = len(head.token_ids)
+        if head_len % bs:
+            return []
+        ids, regions = compile_prompt(head, chunk)
+        # One token more: the block holding a prompt's last token is never matched, and here
+        # every full block of the chunk may be.
+        probe = Sequence([*ids, 0], max_tokens=1, namespace=regions)
+        hits = self.block_manager.match(probe)
+        return hits[head_len // bs :]
+
+    def plan(self, seq: Sequence, num_hit_blocks: int) -> ChunkReusePlan:
+        """Copies and filled ranges for seq, whose first num_hit_blocks blocks are exact prefix hits."""
+        assert seq.segments is not None
+        bs = self.block_manager.block_size
+        segments = seq.segments
+        head = segments[0]
+        plan = ChunkReusePlan()
+        exact_end = num_hit_blocks * bs
+        for start, segment in zip(segment_starts(segments), segments, strict=True):
+            if segment.kind is not SegmentKind.CHUNK or start + len(segment.token_ids) <= exact_end:
+                continue  # not a chunk, or an exact prefix hit already (e.g. right after the head)
+            canonical = self.canonical_blocks(head, segment) if start % bs == 0 else []
+            # The last block holding the prompt's last token is always computed (it gives logits).
+            usable = min(len(canonical), (seq.num_prompt_tokens - 1) // bs - start // bs)
+            fill_start = max(start + self.recompute.num_tokens(len(segment.token_ids), bs), exact_end)
+            fill_end = start + usable * bs
+            if fill_end <= fill_start:
+                plan.num_chunks_in_place += 1
+                continue
+            plan.num_chunks_reused += 1
+            delta = start - len(head.token_ids)
+            for j in range((fill_start - start) // bs, usable):
+                plan.copies.append((canonical[j], start // bs + j, delta))
+                plan.held_blocks.append(canonical[j])
+            plan.filled_ranges.append((fill_start, fill_end))
+        plan.held_blocks = list(dict.fromkeys(plan.held_blocks))
+        return plan
+
+    def record(self, plan: ChunkReusePlan) -> None:
+        """Count an admitted plan in the totals the metrics export."""
+        self.num_chunks_reused += plan.num_chunks_reused
+        self.num_chunks_in_place += plan.num_chunks_in_place
+        self.num_reused_tokens += plan.num_filled_tokens
