@@ -238,3 +238,35 @@ def test_engine_settings_are_checked():
         EngineConfig(chunk_recompute="cacheblend")
     with pytest.raises(ValueError, match="fraction must be in \\(0, 1\\]"):
         EngineConfig(chunk_recompute_fraction=0.0)
+
+
+def test_runs_split_over_steps_by_the_token_budget_match_the_reference(tiny):
+    # A 6-token step budget cuts runs mid-way and spreads one sequence's runs over many steps.
+    llm = make_llm(tiny, kv_reuse="chunks", max_num_batched_tokens=6, max_num_seqs=4, max_model_len=128)
+    first_logits(llm.engine, MIXED)
+    got = first_logits(llm.engine, REORDERED)
+    torch.testing.assert_close(got, reference_logits(llm.model, REORDERED, BS), rtol=0, atol=1e-5)
+
+
+def test_a_preempted_blended_sequence_plans_again_and_balances_references(tiny):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    roomy = make_llm(tiny, kv_reuse="chunks")
+    roomy.generate_segmented([MIXED], SamplingParams(max_tokens=1, ignore_eos=True))
+    want = roomy.generate_segmented([REORDERED, REORDERED], params)
+    # A pool too small for both to decode 40 tokens: the newer is preempted and readmitted.
+    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=36, kv_reuse="chunks")
+    engine = tight.engine
+    tight.generate_segmented([MIXED], SamplingParams(max_tokens=1, ignore_eos=True))
+    ids = [engine.add_segmented_request(REORDERED, params) for _ in range(2)]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            if update.output is not None:
+                outputs[update.request_id] = update.output.token_ids
+        engine.block_manager.check_invariants()  # held sources, private copies, references
+    assert engine.scheduler.num_preemptions > 0
+    # The older one ran undisturbed. The readmitted one planned again: the pressure had evicted
+    # some canonical chains by then, and those chunks were computed in place (exactly).
+    assert outputs[ids[0]] == want[0].token_ids
+    assert len(outputs[ids[1]]) == 40 and engine.chunk_planner.num_chunks_in_place > 0
+    assert engine.block_manager.num_used_blocks == 0
