@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 Message = dict[str, str]
 
@@ -40,18 +40,31 @@ class GenerationParams:
             raise ValueError(f"stop must be at most 4 non-empty strings, got {self.stop!r}")
 
 
+SHARED_NAMESPACE = "rag:system"  # the prompt's head (chat template, system prompt): shared by every principal
+
+SegmentKind = Literal["text", "label", "chunk"]
+
+
 @dataclass(frozen=True)
 class CacheSegment:
     """A piece of the prompt whose KV blocks belong to one prefix-cache namespace.
 
-    `text` is a substring of the messages' contents, found in the rendered prompt in the order
-    the segments are given; its namespace holds from the segment's first token up to the next
-    segment's first token (the last one's to the end of the prompt). Text before the first
-    segment (the chat template's header, the system prompt) is in `GenerationRequest.base_namespace`.
+    Two ways to give segments (see `GenerationRequest.segments`):
+    - **Parts**: the segments' texts concatenate to the last message's content. The local engine
+      then tokenizes each segment on its own and concatenates the ids (`rag.prompt_layout`), so
+      a segment's ids never depend on its neighbours; `kind` says how it is aligned to KV blocks:
+      a "chunk" is padded after its text so that what follows starts on a block boundary, a
+      "label" is padded before its text so that the chunk after it starts on one; "text" is
+      not padded.
+    - **Substrings** of the messages' contents, found in the rendered prompt in the order given;
+      a segment's namespace holds from its first token up to the next segment's first token.
+      Text before the first segment (the chat template's header, the system prompt) is in
+      `GenerationRequest.base_namespace`; `kind` is ignored.
     """
 
     text: str
     namespace: str
+    kind: SegmentKind = "text"
 
 
 @dataclass(frozen=True)
@@ -62,7 +75,8 @@ class GenerationRequest:
         messages: OpenAI-style chat messages (role, content strings).
         params: sampling parameters.
         segments: cache namespaces per piece of the prompt (sources by their ACL, the history and
-            the question salted per user); empty means the whole prompt is in `user_salt`'s domain.
+            the question salted per user), as parts of the last message or as substrings (see
+            CacheSegment); empty means the whole prompt is in `user_salt`'s domain.
         base_namespace: the namespace of the prompt's head, before the first segment.
         user_salt: a server-derived per-principal salt, for generators that take only one salt
             per request (vLLM's `cache_salt`): never chosen by a client.
@@ -71,7 +85,7 @@ class GenerationRequest:
     messages: list[Message]
     params: GenerationParams = field(default_factory=GenerationParams)
     segments: Sequence[CacheSegment] = ()
-    base_namespace: str = "rag:system"
+    base_namespace: str = SHARED_NAMESPACE
     user_salt: str | None = None
 
 
@@ -134,4 +148,31 @@ class Generator(Protocol):
 
     async def aclose(self) -> None:
         """Stop background work and release the model or connections."""
+        ...
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """How much of a request's prompt the generator's prefix cache holds now.
+
+    Attributes:
+        num_tokens: leading prompt tokens whose KV is cached (whole KV blocks).
+        chunk_ends: token offset just past each "chunk" segment, in prompt order (padding
+            included): a chunk is wholly cached when `num_tokens >= chunk_ends[i]`.
+    """
+
+    num_tokens: int
+    chunk_ends: tuple[int, ...] = ()
+
+
+@runtime_checkable
+class PrefixCacheProbe(Protocol):
+    """A generator that can say what of a prompt is cached (the local engine; remote servers cannot)."""
+
+    def cached_prefix(self, request: GenerationRequest) -> CachedPrefix:
+        """The cached part of `request`'s prompt under its namespaces, without side effects.
+
+        Reading it changes nothing: no reference, no LRU order, no hit counter moves. The answer
+        can be stale by the time the request runs (it only guides the order of sources).
+        """
         ...

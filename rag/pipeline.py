@@ -25,11 +25,12 @@ from rag.admission import AdmissionControl
 from rag.answering import AnswerDone, PreparedAnswer, answer_events
 from rag.batching import BatchedQueryEmbedder, BatchedReranker
 from rag.errors import ConfigError, NotFoundError
-from rag.generator import CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
+from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
 from rag.settings import Settings, check_collection_name
+from rag.source_order import order_sources
 from rag.types import Answer, Hit
 from retrieval.records import BuildSpec
 from retrieval.retriever import Retriever, check_mode
@@ -368,15 +369,18 @@ class Rag:
         t = time.perf_counter()
         generator = self.generator
         timings["load_generator"] = time.perf_counter() - t
-        sources = canonical_order(select_sources(relevant, generator.count_tokens, self.settings.context_tokens))
+        params = GenerationParams(max_tokens=self.settings.max_new_tokens, temperature=self.settings.temperature)
+
+        def request_for(order: list[Hit]) -> GenerationRequest:
+            prompt = build_prompt(question, order, history)
+            return GenerationRequest(messages=prompt.messages, params=params,
+                                     segments=self.cache_segments(prompt, order, principal),
+                                     user_salt=self.user_salt(principal))
+
+        ranked = select_sources(relevant, generator.count_tokens, self.settings.context_tokens)
+        sources = order_sources(ranked, generator, request_for)  # the cached prefix first (rag.source_order)
         answer.citations = citations_for(sources, result.hits, reranked)
-        prompt = build_prompt(question, sources, history)
-        request = GenerationRequest(
-            messages=prompt.messages,
-            params=GenerationParams(max_tokens=self.settings.max_new_tokens, temperature=self.settings.temperature),
-            segments=self.cache_segments(prompt, sources, principal),
-            user_salt=self.user_salt(principal))
-        return PreparedAnswer(answer, request, started)
+        return PreparedAnswer(answer, request_for(sources), started)
 
     def _load_retrieval_models(self, dense: bool, rerank: bool) -> dict[str, float]:
         """Load the models this query uses, timed apart from the work (`rag query` says when loading dominates).
@@ -396,10 +400,20 @@ class Rag:
     # -- prefix-cache namespaces -------------------------------------------------------------
 
     def cache_segments(self, prompt: Prompt, sources: Sequence[Hit], principal: Principal) -> list[CacheSegment]:
-        """Each source's block in its ACL's namespace; the history and question in the user's."""
-        segments = [CacheSegment(block, acl_namespace(hit.acl)) for block, hit in zip(
-            prompt.source_blocks, sources, strict=True)]
-        segments.append(CacheSegment(prompt.user_part, self.user_salt(principal)))
+        """Every part of the user turn with its namespace (rag.prompts, rag.prompt_layout).
+
+        The head is shared; a source's label and chunk are in its ACL's namespace (the label is
+        only a citation number, and in the user's namespace it would end cross-user sharing of
+        every chunk after it, since a block's hash chains all blocks before it); the history
+        and question are the user's.
+        """
+        user = self.user_salt(principal)
+        segments = []
+        for part in prompt.parts:
+            if part.kind in ("label", "chunk"):
+                segments.append(CacheSegment(part.text, acl_namespace(sources[part.source].acl), part.kind))
+            else:
+                segments.append(CacheSegment(part.text, SHARED_NAMESPACE if part.kind == "head" else user))
         return segments
 
     def user_salt(self, principal: Principal) -> str:

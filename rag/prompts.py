@@ -1,8 +1,17 @@
-"""Context packing: numbered sources in a canonical order, the question last.
+"""Context packing: numbered sources, then the conversation and the question.
 
-Sources are ordered by (document, chunk) rather than by score, so that requests sharing
-documents share a token prefix (the generation engine's prefix cache can reuse it), and
-the question always comes last. Citation numbers follow that order.
+The user turn is cut into parts made for KV reuse (`build_prompt`):
+
+    head   "Sources:\n\n"                      shared by everyone
+    label  "[1]"                                the citation number, a part of its own
+    chunk  " {title}\n{text}\n\n"              depends only on the chunk, never on its position
+    ...    one label and one chunk per source
+    user   "Conversation so far: ...Question: ..."  the user's own, always last
+
+Concatenated, the parts are the text a person or a remote OpenAI server sees. The local engine
+tokenizes each part on its own and aligns chunks to KV blocks (`rag.prompt_layout`), so that a
+chunk's token ids, and its cached KV, are the same wherever it lands. The order of the sources is
+chosen by `rag.source_order` (the cached prefix first); citation numbers follow it.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from rag.relevance import relevance
 from rag.types import Citation, Hit
@@ -37,6 +47,7 @@ def select_sources(hits: Sequence[Hit], count_tokens: Callable[[str], int],
 
 
 def canonical_order(hits: Sequence[Hit]) -> list[Hit]:
+    """Hits sorted by (document, chunk): the order of retrieval-only answers."""
     return sorted(hits, key=lambda h: (h.document_key, h.chunk_index))
 
 
@@ -46,17 +57,57 @@ def build_messages(question: str, sources: Sequence[Hit],
     return build_prompt(question, sources, history).messages
 
 
+PartKind = Literal["head", "label", "chunk", "user"]
+NO_SOURCES = "(no sources available to you)"
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    """One part of the user turn; the parts, in order, concatenate to its content.
+
+    Attributes:
+        kind: "head" (shared), "label" (a citation number), "chunk" (a source's title and
+            text), "user" (history and question).
+        text: the part's exact text.
+        source: for a label or chunk, the index of its source in the prompt's order.
+    """
+
+    kind: PartKind
+    text: str
+    source: int | None = None
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """Messages for the generator and the pieces of them that carry their own cache namespace.
+    """Messages for the generator and the parts of the user turn, each with its own cache namespace.
 
-    Layout `[system][source 1]…[source k][history][question]`: the head is shared by everyone,
-    each source block by whoever may read it, and the history and question are the user's own.
+    Layout `[system][head][label 1][chunk 1]…[label k][chunk k][history + question]`: the system
+    turn and the head are shared by everyone, each label and chunk by whoever may read the source,
+    and the history and question are the user's own.
     """
 
     messages: list[dict[str, str]]
-    source_blocks: list[str]
-    user_part: str
+    parts: list[PromptPart]
+
+    @property
+    def user_part(self) -> str:
+        """The history and question (the last part)."""
+        return self.parts[-1].text
+
+
+def source_label(number: int) -> str:
+    """The citation label of the source shown `number`-th: its own part, so the chunk after it never changes."""
+    return f"[{number}]"
+
+
+def source_text(hit: Hit) -> str:
+    """A source's chunk part: its title and text only, the same wherever the source is placed.
+
+    It starts with a space (the label before it has none) and ends with the blank line that
+    separates it from the next part.
+    """
+    name = hit.title or hit.document_key.rsplit("/", 1)[-1]
+    return f" {name}\n{hit.text.strip()}\n\n"
 
 
 def build_prompt(question: str, sources: Sequence[Hit],
@@ -64,22 +115,23 @@ def build_prompt(question: str, sources: Sequence[Hit],
     """The prompt for a question over numbered sources, with earlier turns of a conversation.
 
     Args:
+        sources: in the order shown; source i is cited as [i + 1].
         history: earlier {"role": "user"|"assistant", "content"} turns, oldest first; they go
             after the sources (so that the sources' KV stays shareable) and before the question.
     """
-    blocks = []
-    for n, hit in enumerate(sources, 1):
-        name = hit.title or hit.document_key.rsplit("/", 1)[-1]
-        blocks.append(f"[{n}] {name}\n{hit.text.strip()}")
-    context = "\n\n".join(blocks) if blocks else "(no sources available to you)"
+    parts = [PromptPart("head", "Sources:\n\n" if sources else f"Sources:\n\n{NO_SOURCES}\n\n")]
+    for i, hit in enumerate(sources):
+        parts.append(PromptPart("label", source_label(i + 1), i))
+        parts.append(PromptPart("chunk", source_text(hit), i))
     user_part = ""
     if history:
         lines = [f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content'].strip()}" for m in history]
         user_part = "Conversation so far:\n" + "\n".join(lines) + "\n\n"
     user_part += f"Question: {question.strip()}\n{ANSWER_INSTRUCTION}"
-    user = f"Sources:\n\n{context}\n\n{user_part}"
+    parts.append(PromptPart("user", user_part))
+    user = "".join(p.text for p in parts)
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-    return Prompt(messages, blocks, user_part)
+    return Prompt(messages, parts)
 
 
 def citations_for(sources: Sequence[Hit], ranked: Sequence[Hit] = (), reranked: bool = False) -> list[Citation]:

@@ -1,19 +1,31 @@
 """LocalGenerator: our engine in this process, through AsyncLLMEngine (continuous batching).
 
 Every request of every user goes into one engine, which batches them step by step and shares
-cached KV blocks between requests whose prompt segments are in the same namespace.
+cached KV blocks between requests whose prompt segments are in the same namespace. The engine
+gets token ids and `(token offset, namespace)` regions: for a RAG prompt (segments that are the
+parts of the user turn) the block-aligned layout of `rag.prompt_layout`, in which a chunk's ids
+are the same in every prompt; for any other request the rendered prompt tokenized whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rag.errors import GenerationError, GeneratorUnavailable
-from rag.generator import CacheSegment, GenerationDone, GenerationEvent, GenerationRequest, TextDelta
+from rag.generator import (
+    CachedPrefix,
+    CacheSegment,
+    GenerationDone,
+    GenerationEvent,
+    GenerationRequest,
+    TextDelta,
+)
+from rag.prompt_layout import lay_out, pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +62,13 @@ class LocalGenerator:
             raise GenerationError("the local generator needs a model with a tokenizer and a chat template "
                                   "(an instruct model)")
         self._model_name = Path(engine.engine.model_dir).name
+        self.block_size: int = engine.engine.config.block_size
+        self.pad_token_id = pad_token_id(self.tokenizer)
+        if self.pad_token_id is None:
+            log.warning("the tokenizer has no one-token newline or space: sources are not aligned to KV blocks")
+        # Popular chunks come back in many prompts, and the source order probes lay prompts out
+        # several times: tokenize each distinct piece once.
+        self._encode = functools.lru_cache(maxsize=4096)(self._encode_uncached)
 
     @property
     def model_name(self) -> str:
@@ -66,13 +85,33 @@ class LocalGenerator:
         return self.engine.get_metrics()
 
     def prompt(self, request: GenerationRequest) -> tuple[list[int], list[tuple[int, str | None]]]:
-        """The prompt's token ids and its namespace regions (token offset, namespace)."""
+        """The prompt's token ids and its namespace regions (token offset, namespace).
+
+        Segments that are the parts of the last message get the block-aligned layout
+        (rag.prompt_layout); anything else is rendered and tokenized whole, its segments found
+        in the text (`segment_regions`).
+        """
+        layout = lay_out(request, self.tokenizer, self.block_size, self.pad_token_id, self._encode)
+        if layout is not None:
+            return layout.token_ids, layout.regions
         text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = [int(t) for t in enc["input_ids"]]
         regions = segment_regions(text, enc.get("offset_mapping"), request.segments, request.base_namespace,
                                   fallback=request.user_salt)
         return ids, regions
+
+    def cached_prefix(self, request: GenerationRequest) -> CachedPrefix:
+        """What of `request`'s prompt the engine's prefix cache holds now, under its namespaces (read-only)."""
+        layout = lay_out(request, self.tokenizer, self.block_size, self.pad_token_id, self._encode)
+        if layout is None:
+            ids, regions = self.prompt(request)
+            return CachedPrefix(self.engine.engine.num_cached_prefix_tokens(ids, regions))
+        cached = self.engine.engine.num_cached_prefix_tokens(layout.token_ids, layout.regions)
+        return CachedPrefix(cached, layout.chunk_ends)
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.tokenizer.encode(text, add_special_tokens=False))
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         from generation.sampling_params import SamplingParams

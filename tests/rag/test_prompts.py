@@ -47,3 +47,18 @@ def test_is_repeating_waits_for_finished_sentences():
     assert is_repeating("Use gpu01. Use gpu01.")
     assert is_repeating("Use gpu01.\nAsk first.\nUse gpu01.\n")
     assert not is_repeating("One. Two. Three.")
+
+
+def test_the_user_turn_is_parts_and_a_chunk_part_does_not_depend_on_its_position():
+    from rag.prompts import build_prompt
+
+    a, b = _hit("a.md", 1, "alpha one", 0.9), _hit("b.md", 0, "beta", 0.8)
+    first, second = build_prompt("Why?", [a, b]), build_prompt("How?", [b, a], [{"role": "user", "content": "hi"}])
+    for prompt in (first, second):
+        assert "".join(p.text for p in prompt.parts) == prompt.messages[-1]["content"]
+        assert [p.kind for p in prompt.parts] == ["head", "label", "chunk", "label", "chunk", "user"]
+    chunks = lambda p: {p.parts[i].text for i in (2, 4)}  # noqa: E731
+    assert chunks(first) == chunks(second) == {" a.md\nalpha one\n\n", " b.md\nbeta\n\n"}
+    assert [p.text for p in second.parts if p.kind == "label"] == ["[1]", "[2]"]
+    assert second.parts[2].source == 0 and second.parts[2].text.startswith(" b.md")
+    assert second.user_part.startswith("Conversation so far:\nUser: hi") and second.user_part.endswith("sentences.")
