@@ -61,6 +61,15 @@ class MetricsSnapshot:
     num_generated_tokens: int
     time_to_first_token: LatencyStats
     inter_token_latency: LatencyStats
+    # Reuse against compute, since start: prompt tokens fed to the model (prefill runs, chunk
+    # compiles included), and tokens whose KV was copied from a cached chunk (kv_reuse="chunks").
+    prompt_computed_tokens: int = 0
+    chunk_reused_tokens: int = 0
+    # Chunk lookups at a request's arrival: the chunk's canonical KV was cached, or not (compiled).
+    chunk_cache_hits: int = 0
+    chunk_cache_misses: int = 0
+    # Chunks computed inside the prompt instead (not block-aligned, or evicted before admission).
+    chunks_computed_in_place: int = 0
 
 
 class _RequestTimes:
@@ -135,6 +144,7 @@ class EngineMetrics:
     def snapshot(self, scheduler: Scheduler) -> MetricsSnapshot:
         """Current counters of the scheduler, its block manager and these latencies."""
         bm = scheduler.block_manager
+        planner = scheduler.chunk_planner
         return MetricsSnapshot(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -151,6 +161,11 @@ class EngineMetrics:
             num_generated_tokens=self.num_generated_tokens,
             time_to_first_token=self.time_to_first_token(),
             inter_token_latency=self.inter_token_latency(),
+            prompt_computed_tokens=scheduler.num_computed_prompt_tokens,
+            chunk_reused_tokens=planner.num_reused_tokens if planner is not None else 0,
+            chunk_cache_hits=planner.num_chunk_hits if planner is not None else 0,
+            chunk_cache_misses=planner.num_chunk_misses if planner is not None else 0,
+            chunks_computed_in_place=planner.num_chunks_in_place if planner is not None else 0,
         )
 
 

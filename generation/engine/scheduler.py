@@ -269,7 +269,10 @@ class Scheduler:
                 # Steps after the first fed each kept token but the last: their KV is computed.
                 seq.num_computed_tokens += len(tokens) - 1
             self.block_manager.register_full_blocks(seq)
-            if seq.finished or seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
+            # Only a sampling entry can finish seq: it is the sequence's last in the batch, and
+            # earlier runs of the same sequence (chunk reuse) must still be accounted first.
+            done = seq.finished or seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len
+            if entry.samples and done:
                 self._finish(seq)
                 finished.append(seq)
         return finished

@@ -137,6 +137,19 @@ class _StateCollector(Collector):
                                   "requests the engine finished", value=m.num_requests_finished)
         yield CounterMetricFamily("rag_engine_generation_tokens",  # vllm:generation_tokens
                                   "tokens the engine generated", value=m.num_generated_tokens)
+        # Chunk KV reuse (kv_reuse="chunks"; zero otherwise), totals over everyone like the above.
+        yield CounterMetricFamily("rag_engine_prompt_computed_tokens",  # vllm:prompt_tokens counts all, not computed
+                                  "prompt tokens the engine computed (prefill, chunk compiles)",
+                                  value=getattr(m, "prompt_computed_tokens", 0))
+        yield CounterMetricFamily("rag_engine_chunk_reused_tokens",  # no vLLM peer
+                                  "prompt tokens whose KV was copied from a cached chunk",
+                                  value=getattr(m, "chunk_reused_tokens", 0))
+        yield CounterMetricFamily("rag_engine_chunk_cache_hits",  # no vLLM peer
+                                  "retrieved chunks whose KV was cached when the request arrived",
+                                  value=getattr(m, "chunk_cache_hits", 0))
+        yield CounterMetricFamily("rag_engine_chunk_cache_misses",  # no vLLM peer
+                                  "retrieved chunks whose KV had to be computed first",
+                                  value=getattr(m, "chunk_cache_misses", 0))
 
 
 class ObservabilityMiddleware:

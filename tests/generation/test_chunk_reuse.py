@@ -270,3 +270,28 @@ def test_a_preempted_blended_sequence_plans_again_and_balances_references(tiny):
     assert outputs[ids[0]] == want[0].token_ids
     assert len(outputs[ids[1]]) == 40 and engine.chunk_planner.num_chunks_in_place > 0
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_metrics_count_reused_and_computed_tokens_and_chunk_hits(tiny):
+    llm = make_llm(tiny, kv_reuse="chunks")
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate_segmented([MIXED], one)
+    before = llm.metrics()
+    # Three misses, compiled first; MIXED itself then reuses them (none is right after the head).
+    first = sum(end - start for _, start, end in filled_ranges(MIXED, BS))
+    assert (before.chunk_cache_hits, before.chunk_cache_misses, before.chunk_reused_tokens) == (0, 3, first)
+    llm.generate_segmented([REORDERED], one)
+    after = llm.metrics()
+    reused = sum(end - start for _, start, end in filled_ranges(REORDERED, BS))
+    assert (after.chunk_cache_hits, after.chunk_cache_misses) == (3, 3)
+    assert after.chunk_reused_tokens - before.chunk_reused_tokens == reused
+    # Every prompt token of REORDERED was a prefix hit, copied in, or computed: exactly one of them.
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    computed = after.prompt_computed_tokens - before.prompt_computed_tokens
+    assert hits + reused + computed == sum(len(s.token_ids) for s in REORDERED)
+    assert computed < sum(len(s.token_ids) for s in REORDERED) - len(HEAD.token_ids) - reused + 1
+    exact = make_llm(tiny)
+    exact.generate_segmented([MIXED], one)
+    m = exact.metrics()
+    assert (m.chunk_cache_hits, m.chunk_cache_misses, m.chunk_reused_tokens) == (0, 0, 0)
+    assert m.prompt_computed_tokens == sum(len(s.token_ids) for s in MIXED)
