@@ -2,8 +2,8 @@
 
 With B the engine's KV block size, a RAG prompt becomes
 
-    [template head + "Sources:"]            shared namespace
-    [pad ... "[1]"]                         label 1, its source's ACL namespace; ends on a boundary
+    [template head + "Sources:" pad ...]    shared namespace; ends on a block boundary
+    [pad ... "[1]"]                         label 1, its source's ACL namespace: one block
     [" title\ntext\n\n" pad ...]           chunk 1, its ACL namespace; ends on a boundary
     [pad ... "[2]"] [chunk 2 pad ...] ...   one label and one chunk per source
     [history, question, template tail]      the user's namespace, unpadded
@@ -12,7 +12,8 @@ Each piece is tokenized on its own and the ids are concatenated, so a chunk's id
 on its title and text, never on what comes before it or on its citation number (the label is a
 piece of its own). Every chunk starts and ends on a KV block boundary: its blocks hold nothing
 but the chunk, which is what lets the engine reuse them (exactly, in the same prefix, or at
-another position). Padding is a token that renders as a newline (else a space), so the text the
+another position: the engine's canonical copy of a chunk is `head ‖ chunk`, so the head is
+padded to a boundary too). Padding is a token that renders as a newline (else a space), so the text the
 model reads is the text a person sees with some blank lines added; remote generators get that
 text without padding (they are sent messages, not ids).
 
@@ -44,11 +45,15 @@ class PromptLayout:
         regions: `(token offset, namespace)` transitions, the first at 0 (the engine's regions).
         chunk_spans: `(start, end)` token offsets of each chunk segment, padding included, in
             prompt order; both on KV block boundaries when the layout is padded.
+        pieces: `(kind, start, end, namespace)` of each piece in order: one "head" (the chat
+            template's head and the head part), "label"s and "chunk"s, one "suffix" (the
+            user's part and the template's tail), the shape of the engine's segmented prompts.
     """
 
     token_ids: list[int]
     regions: list[tuple[int, str | None]]
     chunk_spans: tuple[tuple[int, int], ...]
+    pieces: tuple[tuple[str, int, int, str | None], ...] = ()
 
     @property
     def chunk_ends(self) -> tuple[int, ...]:
@@ -111,21 +116,31 @@ def lay_out(request: GenerationRequest, tokenizer: Any, block_size: int, pad_id:
     ids: list[int] = list(encode(head))
     regions: list[tuple[int, str | None]] = [(0, request.base_namespace)]
     chunk_spans: list[tuple[int, int]] = []
+    pieces: list[tuple[str, int, int, str | None]] = [("head", 0, len(ids), request.base_namespace)] if ids else []
     last = len(segments) - 1
     for i, segment in enumerate(segments):
         piece = list(encode(segment.text + tail if i == last else segment.text))
+        followed_by_label = i < last and segments[i + 1].kind == "label"
         if pad_id is not None and segment.kind == "label":
             # Pad before the label so that the chunk after it starts on a block boundary.
             piece = [pad_id] * (-(len(ids) + len(piece)) % block_size) + piece
-        elif pad_id is not None and segment.kind == "chunk" and i != last:  # never pad after the template's tail
+        elif pad_id is not None and i != last and (segment.kind == "chunk" or followed_by_label):
+            # Pad after a chunk, and after the head, so that what follows starts on a boundary
+            # (never after the last part: the template's tail must end the prompt).
             piece = piece + [pad_id] * (-(len(ids) + len(piece)) % block_size)
         if not piece:
             continue
         _add_region(regions, len(ids), segment.namespace)
+        kind = segment.kind if segment.kind != "text" else ("suffix" if i == last else "head")
+        if kind == "head" and pieces and pieces[-1][0] == "head" and pieces[-1][3] == segment.namespace:
+            # The chat template's head and the shared head part are one piece.
+            pieces[-1] = ("head", pieces[-1][1], len(ids) + len(piece), segment.namespace)
+        else:
+            pieces.append((kind, len(ids), len(ids) + len(piece), segment.namespace))
         if segment.kind == "chunk":
             chunk_spans.append((len(ids), len(ids) + len(piece)))
         ids.extend(piece)
-    return PromptLayout(ids, regions, tuple(chunk_spans))
+    return PromptLayout(ids, regions, tuple(chunk_spans), tuple(pieces))
 
 
 def _add_region(regions: list[tuple[int, str | None]], offset: int, namespace: str) -> None:

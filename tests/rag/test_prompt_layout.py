@@ -126,3 +126,18 @@ def test_a_chat_template_that_rewrites_the_content_gets_no_layout(rag, tokenizer
         assert lay_out(req, tokenizer, BS, pad_token_id(tokenizer)) is None
     finally:
         tokenizer.chat_template = original
+
+
+def test_the_pieces_are_an_engine_segmented_prompt_with_a_block_aligned_head(rag, tokenizer):
+    from generation.engine.prompt_segments import PromptSegment, check_segments
+
+    _, out = layout(rag, tokenizer, "Which nodes?", [X, Y])
+    assert [kind for kind, *_ in out.pieces] == ["head", "label", "chunk", "label", "chunk", "suffix"]
+    segments = [PromptSegment.of(kind, out.token_ids[start:end], ns) for kind, start, end, ns in out.pieces]
+    check_segments(segments)
+    assert [t for s in segments for t in s.token_ids] == out.token_ids
+    # The engine's canonical copy of a chunk is head || chunk: the head fills whole blocks, and
+    # each label is one block (pad, then "[n]").
+    assert len(segments[0].token_ids) % BS == 0
+    assert all(len(s.token_ids) == BS for s in segments if s.kind.value == "label")
+    assert segments[0].namespace == SHARED_NAMESPACE and segments[-1].namespace == rag.user_salt(ALICE)

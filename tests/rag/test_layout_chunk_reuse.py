@@ -1,0 +1,75 @@
+"""The block-aligned layout feeds the engine's position-independent chunk reuse (kv_reuse="chunks").
+
+The layout's pieces, with the pipeline's namespaces, are the engine's segmented prompt: a chunk
+cached by Alice's prompt is reused by Erin's at another position (the engine's chunk counters),
+and never by a principal who reads the same text under another ACL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from permissions.models import Principal
+from rag.generator import GenerationRequest
+from rag.pipeline import Rag
+from rag.prompt_layout import lay_out, pad_token_id
+from rag.prompts import build_prompt
+from rag.settings import load_settings
+from tests.rag.test_kv_isolation import ALICE, DAVE, ERIN, X, Z
+from tests.rag.tiny_engine import build_tiny_chat_model
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def rag(tmp_path_factory):
+    r = Rag(load_settings(home=tmp_path_factory.mktemp("home")))
+    yield r
+    r.close()
+
+
+def segmented(rag: Rag, tokenizer, principal: Principal, question: str, sources):
+    from generation.engine.prompt_segments import PromptSegment
+
+    prompt = build_prompt(question, sources)
+    request = GenerationRequest(prompt.messages, segments=rag.cache_segments(prompt, sources, principal))
+    out = lay_out(request, tokenizer, BS, pad_token_id(tokenizer))
+    assert out is not None
+    return [PromptSegment.of(kind, out.token_ids[start:end], ns) for kind, start, end, ns in out.pieces]
+
+
+def run(engine, segments) -> None:
+    from generation import SamplingParams
+
+    engine.add_segmented_request(segments, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_chunk_is_reused_at_another_position_only_under_its_acl(model_dir, rag):
+    from generation.config import EngineConfig
+    from generation.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", block_size=BS, num_kv_blocks=512,
+                                               kv_reuse="chunks"))
+    tokenizer = engine.tokenizer
+    run(engine, segmented(rag, tokenizer, ALICE, "Which GPU nodes can I use?", [X, Z]))
+    before = engine.get_metrics()
+    run(engine, segmented(rag, tokenizer, ERIN, "Where is the genomics share?", [Z, X]))
+    after = engine.get_metrics()
+    assert after.chunk_cache_hits - before.chunk_cache_hits == 2  # both chunks, each at a new position
+    assert after.chunk_reused_tokens > before.chunk_reused_tokens
+    copies = [replace(h, document_key=f"copy-of-{h.document_key}", acl=frozenset({"public"})) for h in (Z, X)]
+    run(engine, segmented(rag, tokenizer, DAVE, "Where is the genomics share?", copies))
+    final = engine.get_metrics()
+    # Same ids, another ACL: both lookups miss Alice's copies and compile Dave's own (which his
+    # prompt then reuses: that is his KV, not hers).
+    assert final.chunk_cache_hits == after.chunk_cache_hits
+    assert final.chunk_cache_misses - after.chunk_cache_misses == 2
