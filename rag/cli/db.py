@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import TYPE_CHECKING, Annotated
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
@@ -86,7 +84,9 @@ def status(
     state = f"running (pid {info['pid']}) on port {info['port']}" if info["running"] else "stopped"
     typer.echo(f"PostgreSQL {info['version']}: {state}")
     if info["dsn"]:
-        typer.echo(f"dsn:  {_redact(info['dsn'])}")  # status output gets pasted around; `rag db start` prints it whole
+        from retrieval.stores.pgvector.schema import mask_dsn
+
+        typer.echo(f"dsn:  {mask_dsn(info['dsn'])}")  # status output gets pasted around; `rag db start` prints it whole
     elif info["running"]:
         typer.echo("dsn:  unknown, no password file: run `rag db start` to give the server a password")
     typer.echo(f"data: {info['data_dir']}")
@@ -103,16 +103,12 @@ def migrate(
 
     Safe to run again: a database already at the current version is left as it is.
     """
-    from rag.local_postgres.server import local_dsn
-
-    settings = _settings(ctx)
-    target = dsn or getattr(settings, "dsn", None) or local_dsn(settings.home)
-    if not target:
-        raise ConfigError("no database to migrate: run `rag db start` for a local server, or pass --dsn URL")
+    from retrieval.stores.pgvector.schema import mask_dsn
     from retrieval.stores.pgvector.schema import migrate as migrate_schema
 
+    target = _target_dsn(ctx, dsn, "migrate")
     version = migrate_schema(target)
-    typer.echo(f"schema version {version} at {_redact(target)}")
+    typer.echo(f"schema version {version} at {mask_dsn(target)}")
 
 
 @db_app.command()
@@ -130,23 +126,21 @@ def purge(
     superuser (the local server's DSN is one). WAL archives, replicas and backups are the server
     operator's to expire (see README, "Deleted documents").
     """
+    from retrieval.stores.pgvector.purge import purge_removed_text
+    from retrieval.stores.pgvector.schema import mask_dsn
+
+    target = _target_dsn(ctx, dsn, "purge")
+    purge_removed_text(target)
+    typer.echo(f"purged removed text at {mask_dsn(target)}")
+
+
+def _target_dsn(ctx: typer.Context, dsn: str | None, verb: str) -> str:
+    """--dsn, else the configured dsn, else the running local server's."""
     from rag.local_postgres.server import local_dsn
 
     settings = _settings(ctx)
     target = dsn or getattr(settings, "dsn", None) or local_dsn(settings.home)
     if not target:
-        raise ConfigError("no database to purge: run `rag db start` for a local server, or pass --dsn URL")
-    from retrieval.stores.pgvector.purge import purge_removed_text
-
-    purge_removed_text(target)
-    typer.echo(f"purged removed text at {_redact(target)}")
-
-
-def _redact(dsn: str) -> str:
-    """The DSN without its password, fit to print (URL or key=value form)."""
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", dsn)
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+        raise ConfigError(f"no database to {verb}: run `rag db start` for a local server, or pass --dsn URL")
+    return target
 
