@@ -12,6 +12,11 @@ question and only counts for leaks. A leak is any hit from a page the asker may 
 (must be 0). The dense row is the peer: the other rows also print their recall as a ratio
 of its recall.
 
+Two diagnostic columns come from a longer list of `candidates` hits per question: recall of
+the first k distinct pages (what a cap of one chunk per page in the top k would give) and
+recall of every page in it (the ceiling the reranker works under). s/question is the wall
+time of a configuration's calls per question (without the reranker, two calls).
+
 --subset N ingests only the pages the questions name plus N other pages (every k-th of the
 manual) for a quick run; the full manual takes minutes on a CPU.
 """
@@ -42,9 +47,9 @@ from rag.pipeline import Rag  # noqa: E402
 from rag.settings import load_settings  # noqa: E402
 from retrieval.evaluate import source_key  # noqa: E402
 
-# (label, retrieval mode, rerank)
-CONFIGS = (("dense", "dense", False), ("keyword", "keyword", False), ("hybrid", "hybrid", False),
-           ("hybrid + rerank", "hybrid", True))
+# (label, retrieval mode, rerank, candidates: None = the settings' value)
+CONFIGS = (("dense", "dense", False, None), ("keyword", "keyword", False, None), ("hybrid", "hybrid", False, None),
+           ("hybrid + rerank", "hybrid", True, None), ("hybrid + rerank, 50 candidates", "hybrid", True, 50))
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,10 @@ class ConfigScore:
 
     recalls: list[float] = field(default_factory=list)
     reciprocal_ranks: list[float] = field(default_factory=list)
+    # Diagnostics from a longer list of `candidates` hits: the first k *distinct* pages (what a
+    # per-page cap in the top k would give), and every page of it (the ceiling for reranking).
+    distinct_recalls: list[float] = field(default_factory=list)
+    deep_recalls: list[float] = field(default_factory=list)
     leaks: list[tuple[str, str, str]] = field(default_factory=list)  # (question, user, page)
     misses: list[tuple[Question, list[str]]] = field(default_factory=list)  # recall < 1: the top pages
     seconds: float = 0.0
@@ -109,15 +118,23 @@ def hardware() -> str:
 
 
 def score(rag: Rag, questions: list[Question], corpus: Path, acls: dict[str, frozenset[str]],
-          mode: str, rerank: bool, k: int) -> ConfigScore:
+          mode: str, rerank: bool, k: int, candidates: int) -> ConfigScore:
     retriever = rag.retriever(rerank=rerank)
     result = ConfigScore()
+    deep_k = max(k, candidates)
     t = time.perf_counter()
+
+    def pages_of(q: Question, n: int) -> list[str]:
+        hits = retriever.retrieve(q.question, q.principal, k=n, candidates=candidates, rerank=rerank, mode=mode).hits
+        return [source_key(h.document_key, corpus) for h in hits]
+
     for q in questions:
-        hits = retriever.retrieve(q.question, q.principal, k=k, candidates=rag.settings.candidates,
-                                  rerank=rerank, mode=mode).hits
-        pages = [source_key(h.document_key, corpus) for h in hits]
-        for page in pages:
+        deep = pages_of(q, deep_k)
+        # With the reranker both lists come from the same `candidates` fused hits, ordered by
+        # the cross-encoder, so the top k is a prefix of the longer list; without it each leg
+        # fetches only k, and the fused top k must be asked for as such.
+        pages = deep[:k] if rerank else pages_of(q, k)
+        for page in set(pages + deep):
             # An unknown page (not in the corpus's ACL map) counts as a leak too: fail closed.
             if not q.principal.can_read(acls.get(page, frozenset())):
                 result.leaks.append((q.question, q.principal.user, page))
@@ -126,6 +143,8 @@ def score(rag: Rag, questions: list[Question], corpus: Path, acls: dict[str, fro
             continue  # should refuse: nothing readable answers it
         found = relevant.intersection(pages)
         result.recalls.append(len(found) / len(relevant))
+        result.distinct_recalls.append(len(relevant.intersection(list(dict.fromkeys(deep))[:k])) / len(relevant))
+        result.deep_recalls.append(len(relevant.intersection(deep)) / len(relevant))
         first = next((i for i, p in enumerate(pages) if p in relevant), None)
         result.reciprocal_ranks.append(0.0 if first is None else 1.0 / (first + 1))
         if len(found) < len(relevant):
@@ -179,16 +198,19 @@ def main() -> None:
           f"chunks of {rag.settings.chunk_max_tokens} tokens, candidates {rag.settings.candidates}")
     print(f"questions: {len(questions)} ({answerable} answerable, {len(questions) - answerable} should refuse)")
     print()
-    print(f"| configuration | recall@{args.k} | vs dense | MRR@{args.k} | fully found | leaks | s/question |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| configuration | recall@{args.k} | vs dense | MRR@{args.k} | fully found "
+          f"| recall@{args.k}, distinct pages | recall of all candidates | leaks | s/question |")
+    print("|---|---|---|---|---|---|---|---|---|")
     scores = {}
-    for label, mode, rerank in CONFIGS:
-        scores[label] = s = score(rag, questions, corpus, acls, mode, rerank, args.k)
+    for label, mode, rerank, candidates in CONFIGS:
+        candidates = candidates or rag.settings.candidates
+        scores[label] = s = score(rag, questions, corpus, acls, mode, rerank, args.k, candidates)
         dense = mean(scores["dense"].recalls)
         ratio = f"{mean(s.recalls) / dense:.2f}" if dense else "-"
         print(f"| {label} | {mean(s.recalls):.3f} | {ratio} | {mean(s.reciprocal_ranks):.3f} "
-              f"| {len(s.recalls) - len(s.misses)}/{len(s.recalls)} | {len(s.leaks)} "
-              f"| {s.seconds / len(questions):.2f} |")
+              f"| {len(s.recalls) - len(s.misses)}/{len(s.recalls)} | {mean(s.distinct_recalls):.3f} "
+              f"| {mean(s.deep_recalls):.3f} ({candidates}) | {len(s.leaks)} | {s.seconds / len(questions):.2f} |",
+              flush=True)
     for label, s in scores.items():
         for question, user, page in s.leaks:
             print(f"LEAK ({label}): {user} asked {question!r} and got {page}")
