@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from generation.config import EngineConfig
 from generation.engine.cache_namespaces import NamespaceSpec
 from generation.engine.llm_engine import LLMEngine, Request, RequestUpdate
 from generation.engine.metrics import MetricsSnapshot
+from generation.engine.prompt_segments import PromptSegment
 from generation.sampling_params import SamplingParams
 from rag.errors import GenerationError
 
@@ -93,7 +94,25 @@ class AsyncLLMEngine:
             GenerationError: a bad request (raised before anything is queued), or the engine failed.
         """
         # Validation runs here, in the caller: a bad prompt raises to its own consumer.
-        request = self.engine.make_request(prompt, params, namespace)
+        async with contextlib.aclosing(self._stream(self.engine.make_request(prompt, params, namespace))) as updates:
+            async for update in updates:
+                yield update
+
+    async def generate_segmented_updates(
+        self, segments: Sequence[PromptSegment], params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestUpdate]:
+        """Yield every RequestUpdate of a prompt given as segments (LLMEngine.add_segmented_request).
+
+        Raises:
+            GenerationError: malformed segments or a bad request (raised before anything is
+                queued), or the engine failed.
+        """
+        async with contextlib.aclosing(self._stream(self.engine.make_segmented_request(segments, params))) as updates:
+            async for update in updates:
+                yield update
+
+    async def _stream(self, request: Request) -> AsyncIterator[RequestUpdate]:
+        """Queue a built request for the step thread and yield its updates; abort it if left early."""
         request_id = request.request_id
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:

@@ -201,7 +201,14 @@ class LLMEngine:
         return Request(seq, output_state, incremental_text)
 
     def add(self, request: Request) -> int:
-        """Queue a request built by make_request; returns its id."""
+        """Queue a request built by make_request or make_segmented_request; returns its id."""
+        seq = request.seq
+        if seq.segments is not None and self.chunk_planner is not None:
+            # Chunks whose canonical KV is not cached are compiled first; the request waits for them.
+            head = seq.segments[0]
+            for chunk in seq.segments:
+                if chunk.kind is SegmentKind.CHUNK and not self.chunk_planner.lookup(head, chunk):
+                    seq.waits_for.add(self._compile(head, chunk))
         self.scheduler.add(request.seq)
         self._requests[request.request_id] = request
         if not request.internal:
@@ -229,6 +236,19 @@ class LLMEngine:
         Raises:
             GenerationError: malformed segments, or the prompt is invalid as in add_request.
         """
+        return self.add(self.make_segmented_request(segments, params, incremental_text=incremental_text))
+
+    def make_segmented_request(
+        self,
+        segments: SequenceABC[PromptSegment],
+        params: SamplingParams | None = None,
+        *,
+        incremental_text: bool = True,
+    ) -> Request:
+        """Validate and build a segmented request without queueing it (safe from any thread).
+
+        The chunk lookups (and compiles) happen in `add`, on the stepping thread.
+        """
         try:
             segments = tuple(segments)
             check_segments(segments)
@@ -239,11 +259,7 @@ class LLMEngine:
         )
         if self.chunk_planner is not None:
             request.seq.segments = segments
-            head = segments[0]
-            for chunk in segments:
-                if chunk.kind is SegmentKind.CHUNK and not self.chunk_planner.lookup(head, chunk):
-                    request.seq.waits_for.add(self._compile(head, chunk))
-        return self.add(request)
+        return request
 
     def _compile(self, head: PromptSegment, chunk: PromptSegment) -> int:
         """Queue (once) the prefill of `head ‖ chunk` that publishes the chunk's canonical KV; its id."""

@@ -295,3 +295,26 @@ def test_metrics_count_reused_and_computed_tokens_and_chunk_hits(tiny):
     m = exact.metrics()
     assert (m.chunk_cache_hits, m.chunk_cache_misses, m.chunk_reused_tokens) == (0, 0, 0)
     assert m.prompt_computed_tokens == sum(len(s.token_ids) for s in MIXED)
+
+
+def test_the_async_engine_streams_a_segmented_request_with_chunk_reuse(tiny):
+    import asyncio
+
+    from generation.engine.async_engine import AsyncLLMEngine
+
+    want = make_llm(tiny, kv_reuse="chunks").generate_segmented([REORDERED], SamplingParams(max_tokens=5))
+    engine = AsyncLLMEngine(make_llm(tiny, kv_reuse="chunks").engine)
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+        async for update in engine.generate_segmented_updates(REORDERED, SamplingParams(max_tokens=5)):
+            tokens += update.new_token_ids
+        return tokens
+
+    try:
+        assert asyncio.run(run()) == want[0].token_ids
+        # Compiled on the step thread (the lookups happen in add), then reused.
+        m = engine.get_metrics()
+        assert (m.chunk_cache_misses, m.chunks_computed_in_place) == (3, 0) and m.chunk_reused_tokens > 0
+    finally:
+        engine.shutdown()
