@@ -1,0 +1,116 @@
+"""Experiment configurations: retrieval settings (mode, rerank, k, candidates) and index settings.
+
+Index settings (chunk size and overlap, embedder, store) need a collection built with them;
+None means "as the Rag's own settings", so the default configuration queries the collection
+you already ingested. `parse_config` reads the CLI's `key=value,...` form.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields
+from typing import Any
+
+from rag.errors import ConfigError
+
+MODES = ("dense", "keyword", "hybrid")
+STORES = ("faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector")
+INDEX_FIELDS = ("chunk_max_tokens", "chunk_overlap_tokens", "embedder", "store")
+_ALIASES = {"chunk": "chunk_max_tokens", "chunk_tokens": "chunk_max_tokens", "overlap": "chunk_overlap_tokens"}
+_TRUE, _FALSE = {"on", "true", "yes", "1"}, {"off", "false", "no", "0"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of answering: how to retrieve, and (when not None) how the index is built.
+
+    Args:
+        name: the label in tables and plots (default: made from the settings that are set).
+        mode: "dense", "keyword" or "hybrid".
+        rerank: apply the cross-encoder to the candidates.
+        k: hits kept (sources given to the generator).
+        candidates: hits fetched before reranking (None: the `candidates` setting).
+        chunk_max_tokens, chunk_overlap_tokens, embedder, store: index settings (None: the Rag's).
+    """
+
+    name: str | None = None
+    mode: str = "hybrid"
+    rerank: bool = True
+    k: int = 5
+    candidates: int | None = None
+    chunk_max_tokens: int | None = None
+    chunk_overlap_tokens: int | None = None
+    embedder: str | None = None
+    store: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
+        if not 1 <= self.k <= 100:
+            raise ConfigError(f"k must be between 1 and 100, got {self.k}")
+        if self.candidates is not None and not 1 <= self.candidates <= 1000:
+            raise ConfigError(f"candidates must be between 1 and 1000, got {self.candidates}")
+        if self.chunk_max_tokens is not None and not 16 <= self.chunk_max_tokens <= 512:
+            raise ConfigError(f"chunk_max_tokens must be between 16 and 512, got {self.chunk_max_tokens}")
+        if self.chunk_overlap_tokens is not None and not 0 <= self.chunk_overlap_tokens <= 255:
+            raise ConfigError(f"chunk_overlap_tokens must be between 0 and 255, got {self.chunk_overlap_tokens}")
+        if self.store is not None and self.store not in STORES:
+            raise ConfigError(f"unknown store {self.store!r}; choose one of: {', '.join(STORES)}")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        parts = [self.mode + (" + rerank" if self.rerank else ""), f"k={self.k}"]
+        if self.candidates is not None:
+            parts.append(f"candidates={self.candidates}")
+        if self.chunk_max_tokens is not None or self.chunk_overlap_tokens is not None:
+            parts.append(f"chunks={self.chunk_max_tokens or '-'}/{self.chunk_overlap_tokens or 0}")
+        if self.embedder is not None:
+            parts.append(f"embedder={self.embedder.rstrip('/').rpartition('/')[2]}")
+        if self.store is not None:
+            parts.append(f"store={self.store}")
+        return ", ".join(parts)
+
+    def index_settings(self) -> dict[str, Any]:
+        """The index settings this configuration sets (the others are the Rag's)."""
+        return {f: getattr(self, f) for f in INDEX_FIELDS if getattr(self, f) is not None}
+
+
+def parse_config(text: str) -> Config:
+    """`mode=dense,rerank=off,k=10,chunk=100,overlap=16,name=small chunks` as a Config.
+
+    Raises:
+        ConfigError: an unknown key or a bad value, with the valid keys.
+    """
+    names = {f.name: f for f in fields(Config)}
+    values: dict[str, Any] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key = _ALIASES.get(key.strip(), key.strip().replace("-", "_"))
+        if not sep or key not in names:
+            valid = ", ".join([*names, *_ALIASES])
+            raise ConfigError(f"cannot read config {text!r}: {part!r} is not key=value with a key among {valid}")
+        values[key] = _value(key, value.strip())
+    return Config(**values)
+
+
+def grid(**axes: list[Any]) -> list[Config]:
+    """Every combination of the given values: grid(mode=["dense", "hybrid"], rerank=[False, True])."""
+    keys = list(axes)
+    return [Config(**dict(zip(keys, combo, strict=True))) for combo in itertools.product(*axes.values())]
+
+
+def _value(key: str, value: str) -> Any:
+    if key == "rerank":
+        if value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"rerank must be on or off, got {value!r}")
+    if key in ("k", "candidates", "chunk_max_tokens", "chunk_overlap_tokens"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a whole number, got {value!r}") from None
+    return value
