@@ -16,6 +16,7 @@ from rag.cli.audit import audit_app
 from rag.cli.choices import ModeChoice, StoreChoice, plain
 from rag.cli.db import db_app
 from rag.cli.engine import engine_app
+from rag.cli.eval import eval_command
 from rag.cli.index import index_app
 from rag.errors import RagError
 
@@ -34,6 +35,7 @@ app.add_typer(users_app, name="users")
 app.add_typer(index_app, name="index")
 app.add_typer(engine_app, name="engine")
 app.add_typer(audit_app, name="audit")
+app.command("eval")(eval_command)
 
 _state: dict[str, object] = {}
 

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from rag.experiments import Config, Experiment, Question, assert_no_leaks, read_questions, summarize
+from rag.experiments import (
+    Config,
+    Experiment,
+    Question,
+    assert_no_leaks,
+    plot_latency,
+    plot_recall,
+    read_questions,
+    summarize,
+)
 from rag.experiments.answer_metrics import cited_numbers
 from retrieval.evaluate import evaluate, load_questions
 from tests.rag.test_experiments_sets import make_beir
@@ -58,6 +67,13 @@ def test_one_row_per_question_and_configuration(lab_rag, lab_copy):
     assert summary.loc["dense, k=5", "recall@5"] == pytest.approx(old["recall@5"], abs=1e-4)
     assert summary.loc["dense, k=5", "mrr"] == pytest.approx(old["mrr@5"], abs=1e-4)
     assert summary.loc["dense, k=5", "answerable"] == old["questions"]
+    # one line per configuration, each only over the k it has; one bar segment per stage that ran
+    recall = plot_recall(df).axes[0]
+    assert [line.get_label() for line in recall.lines] == ["dense, k=5", "keyword, k=3"]
+    assert list(recall.lines[1].get_xdata()) == [1, 3]
+    assert list(recall.lines[0].get_ydata())[-1] == pytest.approx(summary.loc["dense, k=5", "recall@5"], abs=1e-4)
+    latency = plot_latency(df).axes[0]
+    assert {c.get_label() for c in latency.containers} == {"embed", "search", "keyword", "fetch"}
 
 
 def test_stored_acls_decide_what_counts(small, tmp_path):
