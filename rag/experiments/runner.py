@@ -22,6 +22,7 @@ from rag.experiments.answer_metrics import score_answer
 from rag.experiments.configs import Config
 from rag.experiments.ground_truth import StoredAcls, label_of
 from rag.experiments.metrics import first_relevant_rank, ndcg_at, recall_at, reciprocal_rank
+from rag.experiments.progress import QuestionProgress
 from rag.experiments.questions import Question, QuestionSet, read_questions
 from rag.experiments.variants import IndexVariants
 
@@ -46,6 +47,7 @@ class Experiment:
         corpus: what to ingest for configurations that need their own index (default: [root]).
         collection: the Rag's collection to query (default: its settings').
         cache_dir: where variant indexes live (default: HOME/experiments).
+        progress: None: bars in a terminal or a notebook, none in logs; True/False: on/off.
     """
 
     def __init__(self, rag: Rag, root: str | Path | None = None, corpus: Sequence[str | Path] | None = None,
@@ -103,12 +105,12 @@ class Experiment:
         variants.share_loaded_models()
         rows: list[dict[str, Any]] = []
         total = len(configs) * len(qset.questions)
-        with _progress(self.progress) as update:
+        with QuestionProgress(self.progress) as bar:
             for config, (rag, name) in zip(configs, targets, strict=True):
                 acls = self._stored_acls(rag, name, root)
                 for q in qset.questions:
                     rows.append(self._row(rag, name, root, acls, config, q, generate, ks))
-                    update(len(rows), total)
+                    bar.update(len(rows), total)
         df = pd.DataFrame(rows)
         df["first_relevant_rank"] = df["first_relevant_rank"].astype("Int64")
         return df
@@ -212,14 +214,3 @@ def _candidates(rag: Rag, candidates: int | None) -> Iterator[None]:
         yield
     finally:
         rag.settings = original
-
-
-@contextlib.contextmanager
-def _progress(choice: bool | None) -> Iterator[Any]:
-    from rag.progress import IngestProgress, show_progress
-
-    if not show_progress(choice):
-        yield lambda done, total: None
-        return
-    with IngestProgress(enabled=True) as bar:
-        yield lambda done, total: bar.update("questions", done, total)
