@@ -170,3 +170,20 @@ def test_answer_metrics_with_generation(lab_rag, lab_copy):
     assert answered["generate_ms"] > 0
     summary = summarize(df)
     assert summary.iloc[0]["correct_refusals"] == 1 and summary.iloc[0]["wrong_answers"] == 0
+
+
+@pytest.mark.slow
+def test_readme_example(tmp_path, model_cache, monkeypatch):
+    """README "Experiments" runs as written from the repository root (here a directory linking the examples)."""
+    from tests.rag.test_readme import readme_blocks, run_block
+
+    (block,) = [b for b in readme_blocks() if b.lang == "python" and "from rag.experiments import" in b.code]
+    (tmp_path / "examples").symlink_to(EXAMPLES, target_is_directory=True)
+    (tmp_path / "my-index").mkdir(mode=0o700)
+    (tmp_path / "my-index" / "models").symlink_to(model_cache, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    ns = run_block(block, {})
+    df = ns["df"]
+    assert df["config"].nunique() == 4 and len(df) == 4 * len(read_questions(EXAMPLES / "questions.jsonl").questions)
+    assert df["leaks"].sum() == 0 and (tmp_path / "recall.png").stat().st_size > 0
+    ns["rag"].close()
