@@ -169,6 +169,7 @@ class Experiment:
         timings = answer.timings
         for stage in STAGES:
             row[f"{stage}_ms"] = timings[stage] * 1000 if stage in timings else math.nan
+        row["ttft_ms"] = timings["ttft"] * 1000 if "ttft" in timings else math.nan  # inside generate
         loads = sum(v for k, v in timings.items() if k.startswith("load_"))
         row["total_ms"] = (timings.get("total", 0.0) - loads) * 1000
         if generate:

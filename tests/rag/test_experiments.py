@@ -187,3 +187,33 @@ def test_readme_example(tmp_path, model_cache, monkeypatch):
     assert df["config"].nunique() == 4 and len(df) == 4 * len(read_questions(EXAMPLES / "questions.jsonl").questions)
     assert df["leaks"].sum() == 0 and (tmp_path / "recall.png").stat().st_size > 0
     ns["rag"].close()
+
+
+def test_a_pgvector_variant_is_copied_from_the_embedded_collection(small, rag_factory, tmp_path, pg_dsn):
+    _, root = small
+    rag = rag_factory(tmp_path / "home", dsn=pg_dsn)  # embedded store; the server only for the variant
+    try:
+        assert rag.ingest([root], progress=False).ok
+        questions = [Question("r", RESERVATION, "bob", ("imaging",), sources=("imaging/gpu-reservation.txt",)),
+                     Question("q", "How much space do I get in my home directory?", "dave",
+                              sources=("public/storage-quotas.txt",))]
+        with Experiment(rag, root=root) as exp:
+            df = exp.run(questions, [Config(mode="dense", rerank=False), Config(mode="dense", rerank=False,
+                                                                                store="pgvector")])
+            (build,) = exp.builds()
+        assert (build["how"], build["chunks_embedded"], build["documents_written"]) == ("copied", 0, 4)
+        embedded, pg = df[df["store"] == "faiss"], df[df["store"] == "pgvector"]
+        assert pg["retrieved"].tolist() == embedded["retrieved"].tolist()  # same vectors, exact search
+        assert pg["leaks"].sum() == 0
+        # the variant is a collection of its own on the server, never the Rag's collection name
+        names = _pg_collection_names(pg_dsn)
+        assert any(n.startswith("exp-") for n in names) and "default" not in names
+    finally:
+        rag.close()
+
+
+def _pg_collection_names(dsn: str) -> list[str]:
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        return [r[0] for r in conn.execute("SELECT name FROM rag_collections")]

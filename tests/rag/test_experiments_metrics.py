@@ -93,3 +93,35 @@ def test_config_parsing_and_labels():
         parse_config("rerank=maybe")
     with pytest.raises(ConfigError, match="between 1 and 100"):
         Config(k=0)
+
+
+def test_leaks_fail_closed():
+    """Unit test of StoredAcls: a hit counts as a leak unless the stored ACL and the hit's own ACL let the asker in."""
+    from rag.experiments.ground_truth import StoredAcls
+    from rag.experiments.questions import Question
+    from rag.types import Hit
+    from retrieval.records import DocumentState
+
+    states = {key: DocumentState(i, key, "h", acl, 1) for i, (key, acl) in enumerate({
+        "/c/public/a.md": frozenset({"public"}),
+        "/c/team/b.md": frozenset({"group:team"}),
+        "/c/notes.jsonl#1": frozenset({"public"}),
+        "/c/notes.jsonl#2": frozenset({"group:team"}),
+    }.items())}
+    acls = StoredAcls(states, "/c")
+
+    def hit(key: str, acl: frozenset[str] = frozenset({"public"})) -> Hit:
+        return Hit(chunk_id=1, document_key=key, source=key, chunk_index=0, text="t", score=1.0, acl=acl)
+
+    olga = Question("q", "anything", "olga", sources=("team/b.md", "notes.jsonl"), forbidden=("public/a.md",))
+    hits = [hit("/c/notes.jsonl#1"), hit("/c/team/b.md", frozenset({"group:team"})),
+            hit("/c/gone.md"),  # not in the store: fail closed
+            hit("/c/public/a.md"),  # readable, but the set forbids it
+            hit("/c/notes.jsonl#2", frozenset({"public"}))]  # the hit says public, the stored ACL says team
+    assert acls.leaks(olga, hits) == ["team/b.md", "gone.md", "public/a.md", "notes.jsonl#2"]
+    truth = acls.truth(olga)
+    # a labelled JSONL file is readable through any readable record; team/b.md is not a miss for olga
+    assert (truth.relevant, truth.unreadable, truth.should_refuse) == (
+        frozenset({"notes.jsonl"}), frozenset({"team/b.md"}), False)
+    tess = Question("q", "anything", "tess", ("team",), sources=("team/b.md", "missing.md"))
+    assert acls.truth(tess).unknown == frozenset({"missing.md"}) and acls.leaks(tess, [hit("/c/team/b.md")]) == []
