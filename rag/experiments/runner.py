@@ -152,7 +152,9 @@ class Experiment:
         row: dict[str, Any] = {
             "config": config.label, "question_id": q.id, "question": q.text, "user": q.user,
             "groups": ",".join(q.groups), "mode": config.mode, "rerank": config.rerank, "k": config.k,
-            "candidates": max(config.k, candidates), "chunk_max_tokens": settings.chunk_max_tokens,
+            # hits fetched per leg: the candidates for the reranker, else just k
+            "candidates": max(config.k, candidates) if config.rerank else config.k,
+            "chunk_max_tokens": settings.chunk_max_tokens,
             "chunk_overlap_tokens": settings.chunk_overlap_tokens, "embedder": settings.embedder or "(default)",
             "store": settings.store, "relevant": len(relevant), "unreadable_relevant": len(truth.unreadable),
             "unknown_labels": len(truth.unknown), "should_refuse": truth.should_refuse,
