@@ -31,8 +31,9 @@ def dense_forward(
     overrides: position -> (canonical per-layer KV, row in it) whose K, V replace that position's.
     """
     inner = model.model
-    x = inner.embed_tokens(torch.tensor(ids)).float()
-    positions = torch.arange(len(ids))
+    device = inner.embed_tokens.weight.device
+    x = inner.embed_tokens(torch.tensor(ids, device=device)).float()
+    positions = torch.arange(len(ids), device=device)
     cos, sin = inner.rotary_emb(positions[None], torch.float32)  # [1, 1, T, D]
     kept: LayerKV = []
     for layer_index, layer in enumerate(inner.layers):

@@ -81,6 +81,19 @@ def test_engine_matches_the_slow_reference(tiny_model_factory, variant, recomput
     assert (full[-1] - got).abs().max() > 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_cuda_matches_the_slow_reference(tiny_model_factory):
+    # The Triton prefill kernels with several runs of one sequence per step, and the copies on
+    # the device, against the same dense reference (run on the GPU too, in fp32).
+    llm = LLM(tiny_model_factory("llama3")[0], device="cuda", dtype=torch.float32, block_size=BS,
+              num_kv_blocks=256, kv_reuse="chunks")  # fmt: skip
+    first_logits(llm.engine, MIXED)
+    got = first_logits(llm.engine, REORDERED)
+    assert llm.engine.chunk_planner.num_chunks_reused == 6
+    torch.testing.assert_close(got, reference_logits(llm.model, REORDERED, BS), rtol=0, atol=1e-4)
+
+
 def test_the_reference_without_reuse_is_full_prefill(tiny_model_factory):
     # The oracle's own dense forward against Hugging Face: it would not catch much otherwise.
     path, hf = tiny_model_factory("default")
