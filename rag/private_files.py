@@ -29,9 +29,9 @@ PASS_THROUGH_DIR_MODE = 0o711
 _GROUP_OTHER = 0o077
 _GROUP_OTHER_READ_WRITE = 0o066
 # What rag puts in a data directory (rag/settings.py, rag/audit.py, rag/local_postgres/server.py, rag/shards/run.py,
-# ingest/staging.py, rag/experiments/variants.py). An open directory is tightened only if it holds nothing else (an operator's
-# rag.toml, a models link) or a marker says it is a data directory, and then only these entries in
-# it, so a mistaken `--home ~` never rewrites a user's files.
+# ingest/staging.py, rag/experiments/variants.py). An open directory is tightened only if it holds
+# nothing else (an operator's rag.toml, a models link) or a marker says it is a data directory, and
+# then only these entries in it, so a mistaken `--home ~` never rewrites a user's files.
 HOME_ENTRIES = frozenset({
     "catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "catalog.sqlite-journal",
     "indexes", "models", "shards", "staging", "postgres", "audit.jsonl", "rag.toml", "experiments"})
