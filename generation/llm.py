@@ -104,17 +104,7 @@ class LLM:
             for p, sp in zip(prompts, params_list, strict=True)
         ]
         ids = [self.engine.add(r) for r in requests]
-        outputs: dict[int, RequestOutput] = {}
-        try:
-            while len(outputs) < len(ids):
-                for update in self.engine.step():
-                    if update.output is not None:
-                        outputs[update.request_id] = update.output
-        finally:
-            for request_id in ids:
-                if request_id not in outputs:
-                    self.engine.abort(request_id)
-        return [outputs[i] for i in ids]
+        return self._run_to_completion(ids)
 
     def generate_segmented(
         self,
@@ -133,6 +123,10 @@ class LLM:
             self.engine.add_segmented_request(p, sp, incremental_text=False)
             for p, sp in zip(prompts, params_list, strict=True)
         ]
+        return self._run_to_completion(ids)
+
+    def _run_to_completion(self, ids: list[int]) -> list[RequestOutput]:
+        """Step the engine until every request in `ids` is done; abort the rest if stepping fails."""
         outputs: dict[int, RequestOutput] = {}
         try:
             while len(outputs) < len(ids):

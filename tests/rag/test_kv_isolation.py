@@ -10,18 +10,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
 from permissions.models import Principal
 from rag.generator import GenerationParams, GenerationRequest
 from rag.pipeline import Rag
 from rag.prompt_layout import PromptLayout, lay_out
 from rag.prompts import build_prompt
-from rag.settings import load_settings
 from rag.types import Hit
-from tests.rag.tiny_engine import build_tiny_chat_model, generate, hit_tokens, local_generator
+from tests.rag import tiny_engine
+from tests.rag.tiny_engine import generate, hit_tokens
 
 BS = 8
+
+# The tiny engine's fixtures, shared with the other tests of the service's prompt layout.
+generator = tiny_engine.generator
+model_dir = tiny_engine.model_dir
+rag = tiny_engine.rag
 ALICE = Principal("alice", frozenset({"genomics"}))
 ERIN = Principal("erin", frozenset({"genomics"}))
 DAVE = Principal("dave")
@@ -38,25 +41,6 @@ def hit(key: str, text: str, *acl: str) -> Hit:
 
 X = hit("x.md", GPU, "group:genomics")
 Z = hit("z.md", SHARE, "group:genomics")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def rag(tmp_path_factory):
-    r = Rag(load_settings(home=tmp_path_factory.mktemp("home")))
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def generator(model_dir):
-    gen = local_generator(model_dir, block_size=BS, num_kv_blocks=512)
-    yield gen
-    gen.engine.shutdown()
 
 
 def request(rag: Rag, principal: Principal, question: str, sources: list[Hit]) -> GenerationRequest:

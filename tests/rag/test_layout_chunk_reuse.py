@@ -9,30 +9,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
 from permissions.models import Principal
 from rag.generator import GenerationRequest
 from rag.pipeline import Rag
 from rag.prompt_layout import lay_out, pad_token_id
 from rag.prompts import build_prompt
-from rag.settings import load_settings
+from tests.rag import tiny_engine
 from tests.rag.test_kv_isolation import ALICE, DAVE, ERIN, X, Z
-from tests.rag.tiny_engine import build_tiny_chat_model
 
 BS = 8
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def rag(tmp_path_factory):
-    r = Rag(load_settings(home=tmp_path_factory.mktemp("home")))
-    yield r
-    r.close()
+# The tiny engine's fixtures, shared with the other tests of the service's prompt layout.
+model_dir = tiny_engine.model_dir
+rag = tiny_engine.rag
 
 
 def segmented(rag: Rag, tokenizer, principal: Principal, question: str, sources):

@@ -14,10 +14,10 @@ from rag.generator import CachedPrefix, GenerationParams, GenerationRequest
 from rag.generators.remote import RemoteGenerator
 from rag.pipeline import Rag
 from rag.prompts import build_prompt, citations_for
-from rag.settings import load_settings
 from rag.source_order import order_for_reuse, order_sources
 from rag.types import Hit
-from tests.rag.tiny_engine import build_tiny_chat_model, generate, hit_tokens, local_generator
+from tests.rag import tiny_engine
+from tests.rag.tiny_engine import generate, hit_tokens
 
 # --- the greedy order over a stand-in cache -------------------------------------------------------
 
@@ -79,6 +79,11 @@ def test_a_generator_that_cannot_see_its_cache_gets_the_document_chunk_sort():
 # --- the real engine --------------------------------------------------------------------------------
 
 BS = 8
+
+# The tiny engine's fixtures, shared with the other tests of the service's prompt layout.
+generator = tiny_engine.generator
+model_dir = tiny_engine.model_dir
+rag = tiny_engine.rag
 ALICE = Principal("alice", frozenset({"genomics"}))
 ERIN = Principal("erin", frozenset({"genomics"}))
 
@@ -91,25 +96,6 @@ def hit(key: str, text: str, score: float = 1.0) -> Hit:
 A = hit("a.md", "Partition gpu holds nodes gpu01 to gpu08.", 3.0)
 B = hit("b.md", "Scratch is purged after 30 days.", 2.0)
 C = hit("c.md", "The genomics share is /data/genomics.", 1.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def rag(tmp_path_factory):
-    r = Rag(load_settings(home=tmp_path_factory.mktemp("home")))
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def generator(model_dir):
-    gen = local_generator(model_dir, block_size=BS, num_kv_blocks=512)
-    yield gen
-    gen.engine.shutdown()
 
 
 def requests_for(rag: Rag, principal: Principal, question: str):

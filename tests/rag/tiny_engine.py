@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 import torch
 
 from rag.generator import GenerationDone, GenerationRequest
 from rag.generators.local import LocalGenerator
+from rag.pipeline import Rag
+from rag.settings import load_settings
 from tests.generation.conftest import save_char_tokenizer, tiny_hf_config
 
 CHAT_TEMPLATE = (
@@ -60,3 +63,24 @@ def generate(generator: LocalGenerator, request: GenerationRequest) -> Generatio
 def hit_tokens(generator: LocalGenerator) -> int:
     """Prompt tokens the engine has served from its prefix cache so far (its own counter)."""
     return generator.metrics().prefix_cache_hit_tokens
+
+
+# Fixtures of the tests that drive the tiny engine through the service's prompt code
+# (test_kv_isolation, test_source_order, test_layout_chunk_reuse): import them by name.
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def rag(tmp_path_factory):
+    r = Rag(load_settings(home=tmp_path_factory.mktemp("home")))
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def generator(model_dir):
+    gen = local_generator(model_dir, block_size=8, num_kv_blocks=512)
+    yield gen
+    gen.engine.shutdown()
