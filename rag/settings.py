@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     # Local engine sizing (None = the engine's defaults, sized from free memory on a GPU).
     engine_max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
     engine_num_kv_blocks: int | None = Field(default=None, ge=1)
+    # How the local engine reuses retrieved chunks' KV: "exact" (a shared prefix only) or
+    # "chunks" (a chunk's KV at any position, its first block recomputed: an approximation; see
+    # README "Chunk KV reuse at any position" and its quality table before switching it on).
+    engine_kv_reuse: Literal["exact", "chunks"] = "exact"
     # Admission control of the query service: generations in flight, and requests waiting for
     # one; past both, 429 with Retry-After. Each request has a deadline (504 past it).
     max_concurrent_generations: int = Field(default=64, ge=1, le=4096)

@@ -39,11 +39,14 @@ class LocalGenerator:
         max_num_seqs: most sequences the engine runs at once (None: the engine's default).
         num_kv_blocks: KV cache size in blocks (None: sized from free memory).
         engine: an already running AsyncLLMEngine to use instead of loading model_dir.
+        kv_reuse: the engine's chunk KV reuse ("exact" or "chunks"; None: the engine's default).
+            With "chunks", a RAG prompt goes to the engine as its layout's segments (head, labels,
+            chunks, suffix), so a chunk's KV is reused wherever it lands.
     """
 
     def __init__(self, model_dir: Path | None = None, device: str | None = None,
                  max_num_seqs: int | None = None, num_kv_blocks: int | None = None,
-                 engine: Any | None = None) -> None:
+                 engine: Any | None = None, kv_reuse: str | None = None) -> None:
         from generation.engine.async_engine import AsyncLLMEngine
 
         if engine is None:
@@ -52,7 +55,8 @@ class LocalGenerator:
 
             assert model_dir is not None, "pass model_dir or engine"
             overrides = {k: v for k, v in {"device": device, "max_num_seqs": max_num_seqs,
-                                            "num_kv_blocks": num_kv_blocks}.items() if v is not None}
+                                            "num_kv_blocks": num_kv_blocks, "kv_reuse": kv_reuse}.items()
+                         if v is not None}
             if max_num_seqs is not None:
                 overrides["max_num_batched_tokens"] = max(EngineConfig.max_num_batched_tokens, max_num_seqs)
             engine = AsyncLLMEngine(LLMEngine(model_dir, EngineConfig(**overrides)))
@@ -110,6 +114,23 @@ class LocalGenerator:
         cached = self.engine.engine.num_cached_prefix_tokens(layout.token_ids, layout.regions)
         return CachedPrefix(cached, layout.chunk_ends)
 
+    def _engine_prompt(self, request: GenerationRequest) -> tuple[list[int], list[tuple[int, str | None]], list | None]:
+        """Ids and regions, plus the segmented prompt when the engine reuses chunks at any position.
+
+        Only a block-aligned RAG layout is segmented: the engine reuses a chunk's KV only when the
+        head and the chunk start on block boundaries; anything else goes as ids and regions.
+        """
+        if self.engine.engine.config.kv_reuse == "chunks":
+            layout = lay_out(request, self.tokenizer, self.block_size, self.pad_token_id, self._encode)
+            if layout is not None and layout.pieces:
+                from generation.engine.prompt_segments import PromptSegment
+
+                segments = [PromptSegment.of(kind, layout.token_ids[start:end], namespace)
+                            for kind, start, end, namespace in layout.pieces]
+                return layout.token_ids, layout.regions, segments
+        ids, regions = self.prompt(request)
+        return ids, regions, None
+
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -121,11 +142,9 @@ class LocalGenerator:
         p = request.params
         params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
                                 stop=list(p.stop), seed=p.seed)
-        ids, regions = self.prompt(request)
-        try:
-            updates = self.engine.generate_updates(ids, params, regions)
-        except GenerationError:
-            raise
+        ids, regions, segments = self._engine_prompt(request)
+        updates = (self.engine.generate_segmented_updates(segments, params) if segments is not None
+                   else self.engine.generate_updates(ids, params, regions))
         async with contextlib.aclosing(updates) as stream:
             try:
                 async for update in stream:

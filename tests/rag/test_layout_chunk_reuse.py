@@ -62,3 +62,45 @@ def test_a_chunk_is_reused_at_another_position_only_under_its_acl(model_dir, rag
     # prompt then reuses: that is his KV, not hers).
     assert final.chunk_cache_hits == after.chunk_cache_hits
     assert final.chunk_cache_misses - after.chunk_cache_misses == 2
+
+
+def test_the_local_generator_sends_rag_prompts_as_segments_when_chunks_are_reused(model_dir, rag):
+    """The service path (LocalGenerator.stream with engine_kv_reuse = "chunks"): Erin's prompt, with
+    Alice's two chunks in the other order, takes both from the chunk cache; Dave's public copies of
+    the same text take neither; with "exact" (the default) no segmented request is made at all."""
+    from tests.rag.test_kv_isolation import request
+    from tests.rag.tiny_engine import generate, local_generator
+
+    generator = local_generator(model_dir, block_size=BS, num_kv_blocks=512, kv_reuse="chunks")
+    try:
+        generate(generator, request(rag, ALICE, "Which GPU nodes can I use?", [X, Z]))
+        before = generator.metrics()
+        generate(generator, request(rag, ERIN, "Where is the genomics share?", [Z, X]))
+        after = generator.metrics()
+        assert after.chunk_cache_hits - before.chunk_cache_hits == 2
+        assert after.chunk_reused_tokens > before.chunk_reused_tokens
+        copies = [replace(h, document_key=f"copy-of-{h.document_key}", acl=frozenset({"public"})) for h in (Z, X)]
+        generate(generator, request(rag, DAVE, "Where is the genomics share?", copies))
+        assert generator.metrics().chunk_cache_hits == after.chunk_cache_hits
+    finally:
+        generator.engine.shutdown()
+
+    exact = local_generator(model_dir, block_size=BS, num_kv_blocks=512)
+    try:
+        generate(exact, request(rag, ALICE, "Which GPU nodes can I use?", [X, Z]))
+        generate(exact, request(rag, ERIN, "Where is the genomics share?", [Z, X]))
+        m = exact.metrics()
+        assert m.chunk_cache_hits == 0 and m.chunk_cache_misses == 0 and m.chunk_reused_tokens == 0
+    finally:
+        exact.engine.shutdown()
+
+
+def test_the_setting_reaches_the_engine(tmp_path):
+    from rag.settings import load_settings
+
+    assert load_settings(home=tmp_path / "a").engine_kv_reuse == "exact"
+    assert load_settings(home=tmp_path / "b", engine_kv_reuse="chunks").engine_kv_reuse == "chunks"
+    import pytest
+
+    with pytest.raises(Exception, match="engine_kv_reuse"):
+        load_settings(home=tmp_path / "c", engine_kv_reuse="approximately")
