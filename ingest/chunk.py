@@ -56,6 +56,8 @@ class Chunker:
     the first Title is headed by the document's title. Consecutive elements of a section
     are packed into one chunk while they fit; an element too big for a chunk is cut into
     token windows (at sentence or word ends where possible) that overlap by `overlap_tokens`.
+    Headings after the last body text make no chunk of their own (unless the document has no
+    body text at all): a chunk that is only a heading answers nothing.
     """
 
     def __init__(
@@ -87,7 +89,8 @@ class Chunker:
     def chunk(self, doc: Document) -> list[Chunk]:
         """The chunks of `doc`, indexed 0..n-1, each within the token cap.
 
-        Every element's text ends up in some chunk (split elements across consecutive ones).
+        Every element's text ends up in some chunk (split elements across consecutive ones),
+        except headings that follow the document's last body text.
         """
         elements: Iterable[Element] = doc.elements
         if not doc.elements and doc.text.strip():
@@ -119,11 +122,13 @@ class Chunker:
         title = doc_title.strip() if doc_title and doc_title.strip() else None
         current = _Section(heading=title, titles=[title] if title else [], has_real_titles=False)
         packer: _SectionPacker | None = None  # opened at the section's first body element
+        has_body = False
         for el in elements:
             text = el.text.strip()
             if not text:
                 continue
             if el.kind != "Title":
+                has_body = True
                 if packer is None:
                     packer = _SectionPacker(self, current)
                 yield from packer.add(Element(kind=el.kind, text=text, page=el.page))
@@ -137,7 +142,13 @@ class Chunker:
             else:
                 current.titles.append(text)  # stacked headings: keep all, nearest is the heading
                 current.heading = text
-        yield from (packer or _SectionPacker(self, current)).close()
+        if packer is not None:
+            yield from packer.close()
+        elif not has_body:
+            # A document of headings only: its headings are all it says, so they are its chunk.
+            yield from _SectionPacker(self, current).close()
+        # else: trailing headings with no text under them (a page's footer bar, say) would be a
+        # chunk that only repeats a title; it matches questions about that title and answers none.
 
     @staticmethod
     def _compose(prefix: str, parts: list[str]) -> str:

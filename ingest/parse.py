@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ingest.html_navigation import strip_navigation
 from ingest.sources import SourceItem
 from ingest.text_blocks import check_text_file, first_lines, text_blocks
 from rag.errors import ParseError
@@ -267,6 +268,8 @@ def _partition_text_format(suffix: str, text: str) -> list[Any]:
         raise ParseError("no text extracted")
     kind = {".md": "md", ".markdown": "md", ".txt": "text", ".html": "html", ".htm": "html"}
     fmt = kind[suffix]
+    if fmt == "html":
+        text = strip_navigation(text)  # menus and "Prev Up Next" bars are no page's content
     # Passing the decoded text (not the file) keeps our strict UTF-8 decision authoritative.
     return _partition(_partitioner(fmt), f"cannot parse {fmt.upper()}", text=text)
 

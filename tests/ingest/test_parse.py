@@ -56,6 +56,49 @@ def test_html_keeps_text_drops_script(tmp_path: Path) -> None:
     assert ("Title", "Limits") in kinds_texts(els)
 
 
+# A DocBook XSL page as the PostgreSQL manual ships it (XML declaration, XHTML namespace), cut
+# down: a navigation header and footer, a table of contents, a site menu and a role=navigation list.
+DOCBOOK_PAGE = """<?xml version="1.0" encoding="UTF-8" standalone="no"?>
+<!DOCTYPE html PUBLIC "-//W3C//DTD XHTML 1.0 Transitional//EN" "http://www.w3.org/TR/xhtml1/DTD/xhtml1-transitional.dtd">
+<html xmlns="http://www.w3.org/1999/xhtml"><head><title>21.9. Peer Authentication</title></head><body>
+<nav><a href="/">Lab wiki</a> <a href="/jobs">Jobs menu</a></nav>
+<div class="navheader"><table summary="Navigation header"><tr><th colspan="5">21.9. Peer Authentication</th></tr>
+<tr><td><a accesskey="p" href="auth-ident.html">Prev</a></td><td><a href="client-authentication.html">Up</a></td>
+<th>Chapter 21. Client Authentication</th><td><a href="index.html">Home</a></td>
+<td><a href="auth-ldap.html">Next</a></td></tr></table><hr /></div>
+<div class="sect1"><h2 class="title">21.9. Peer Authentication</h2>
+<div class="toc"><p><b>Table of Contents</b></p><dl><dt>21.9.1. Ident Maps Elsewhere</dt></dl></div>
+<p>The peer authentication method obtains the client's operating system user name from the kernel.</p>
+<ul role="navigation"><li><a href="auth-ldap.html">See also LDAP</a></li></ul>
+<p>Peer authentication is only available on local connections.</p></div>
+<div class="navfooter"><hr /><table summary="Navigation footer"><tr><td><a href="auth-ident.html">Prev</a></td>
+<td><a href="client-authentication.html">Up</a></td><td><a href="auth-ldap.html">Next</a></td></tr>
+<tr><td>21.8. Ident Authentication</td><td><a href="index.html">Home</a></td><td>21.10. LDAP Authentication</td>
+</tr></table></div></body></html>
+"""
+
+
+def test_html_navigation_and_tables_of_contents_are_not_content(tmp_path: Path) -> None:
+    p = tmp_path / "auth-peer.html"
+    p.write_text(DOCBOOK_PAGE)
+    title, els = parse_file(p)
+    assert title == "21.9. Peer Authentication"
+    assert [e.text for e in els] == [  # kinds of body text are unstructured's guess: not checked
+        "21.9. Peer Authentication",
+        "The peer authentication method obtains the client's operating system user name from the kernel.",
+        "Peer authentication is only available on local connections.",
+    ]
+    assert els[0].kind == "Title"
+
+
+def test_html_of_navigation_only_has_no_text(tmp_path: Path) -> None:
+    p = tmp_path / "menu.html"
+    p.write_text('<html><body><nav><a href="/a">Prev</a> <a href="/b">Next</a></nav>'
+                 '<div class="navfooter">Up Home</div></body></html>')
+    with pytest.raises(ParseError, match="no text extracted"):
+        parse_file(p)
+
+
 def test_plain_text_title_falls_back_to_stem(tmp_path: Path) -> None:
     p = tmp_path / "storage-notes.txt"
     p.write_text(
