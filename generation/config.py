@@ -227,6 +227,13 @@ class EngineConfig:
             "first_block" (its first KV block) or "fraction" (its leading chunk_recompute_fraction).
         chunk_recompute_fraction: share of a reused chunk's tokens recomputed in "fraction" mode.
             Range (0, 1]; 1 recomputes everything.
+        host_kv_blocks: size, in KV blocks, of a host-memory tier under the prefix cache (pinned
+            on CUDA): a published block evicted from the GPU pool is copied there once, and a
+            later lookup that misses on the GPU but finds the exact same block (namespace, prefix,
+            tokens) copies it back instead of recomputing it. The host tier evicts by frequency
+            and recency (GDSF: clock + uses). Costs num_layers x 2 x block_size x kv_heads x
+            head_dim x dtype bytes per block (2 MiB for Llama-3.1-8B in bf16). 0, the default, is
+            off. Needs prefix caching. Range >= 0.
 
     Raises:
         ValueError: a value out of range.
@@ -247,6 +254,7 @@ class EngineConfig:
     kv_reuse: str = "exact"
     chunk_recompute: str = "first_block"
     chunk_recompute_fraction: float = 0.15
+    host_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         # The limits the scheduler shares are checked by the same function it uses, so both
@@ -262,6 +270,10 @@ class EngineConfig:
             raise ValueError(f"kv_reuse {self.kv_reuse!r} is not supported; valid: {', '.join(KV_REUSE_MODES)}")
         if self.kv_reuse == "chunks" and not self.enable_prefix_caching:
             raise ValueError('kv_reuse="chunks" keeps chunk KV in the prefix cache: enable_prefix_caching must be on')
+        if self.host_kv_blocks < 0:
+            raise ValueError(f"host_kv_blocks must be >= 0 (0 = no host tier), got {self.host_kv_blocks}")
+        if self.host_kv_blocks and not self.enable_prefix_caching:
+            raise ValueError("host_kv_blocks > 0 keeps prefix-cache blocks: enable_prefix_caching must be on")
         # The recompute choice is checked where it lives (ChunkRecompute), with its own words.
         self.chunk_recompute_choice()
 

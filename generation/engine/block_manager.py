@@ -10,6 +10,7 @@ from generation.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from generation.engine.chunk_reuse import ChunkReusePlan
+    from generation.engine.host_kv_tier import HostKVTier
 
 
 # Publish limit of a sequence whose blocks all hold its own exact KV.
@@ -28,12 +29,16 @@ class BlockManager:
         block_size: tokens per block (>= 1).
         enable_prefix_caching: share full blocks between sequences of the same namespaces: a block is
             shared only when its namespace key (every region covering it) and its whole prefix agree.
+        host_tier: where evicted published blocks go and come back from (host_kv_tier.py); None
+            (the default) drops them. Needs prefix caching.
 
     Raises:
         ValueError: num_blocks or block_size < 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host_tier: HostKVTier | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -44,6 +49,9 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
+        if host_tier is not None and self._cache is None:
+            raise ValueError("a host KV tier keeps prefix-cache blocks: enable prefix caching")
+        self.host_tier = host_tier
         # Sequences holding blocks, and how many of their leading blocks are published (or were hits).
         self._seqs: dict[int, Sequence] = {}
         self._num_published: dict[int, int] = {}
@@ -107,11 +115,11 @@ class BlockManager:
         assert self._blocks_to_take(seq, hits, plan) <= self.num_free_blocks, f"not enough free blocks for {seq}"
         # Take the hits (and the copies' sources) out of the evictable pool before taking new
         # blocks, so that eviction below cannot hand out a block this sequence is about to read.
-        for block_id in hits:
-            self._incref(block_id)
         held = plan.held_blocks if plan is not None else []
-        for block_id in held:
+        for block_id in [*hits, *held]:
             self._incref(block_id)
+            if self._cache is not None:
+                self._cache.record_hit(block_id)  # a reuse: the block's popularity for the host tier
         new_blocks = [self._take_block() for _ in range(seq.num_blocks(self.block_size) - len(hits))]
         seq.block_table = hits + new_blocks
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
@@ -210,7 +218,51 @@ class BlockManager:
             return 0
         dropped = self._cache.clear_evictable()
         self._free.extend(dropped)
+        if self.host_tier is not None:
+            self.host_tier.clear()  # a reset means cold: nothing comes back from the host either
         return len(dropped)
+
+    def restore_from_host(self, seq: Sequence) -> int:
+        """Copy back from the host tier the blocks of seq's leading chain that the GPU misses; how many.
+
+        Walks seq's full blocks (not the one holding its last token, as `match`) in order: a GPU
+        hit is kept, a miss that the host tier holds under the exact same key is copied into a new
+        block and published as if computed, and the first block missing from both ends the walk.
+        The restored blocks are left cached and unreferenced, so that `match` and `allocate` then
+        take them like any other hit. Needs a free or evictable block per copy; stops without one.
+        """
+        host, cache = self.host_tier, self._cache
+        if host is None or cache is None:
+            return 0
+        held: list[int] = []  # the chain so far, referenced so that taking blocks cannot evict it
+        restored = 0
+        try:
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                key = (self._block_hash(seq, i), seq.block_namespace_key(i, self.block_size))
+                parent = seq.block_hashes[i - 1] if i else None
+                tokens = seq.block_tokens(i, self.block_size)
+                block_id = cache.lookup(*key, parent, tokens)
+                if block_id is None:
+                    if host.find(*key, parent, tokens) is None or self.num_free_blocks == 0:
+                        break
+                    block_id = self._take_block()
+                    # Taking the block may have evicted one to the host and, to make room there,
+                    # this very entry: look it up again after the take, never before.
+                    slot = host.find(*key, parent, tokens)
+                    if slot is None or not cache.insert(block_id, *key, parent, tokens):
+                        self._ref_counts[block_id] = 0
+                        self._free.append(block_id)
+                        break
+                    host.restore(slot, key[0], block_id)
+                    restored += 1
+                else:
+                    self._incref(block_id)
+                held.append(block_id)
+        finally:
+            # Last block first, as deallocate does: the chain's tail is evicted before its head.
+            for block_id in reversed(held):
+                self._decref(block_id)
+        return restored
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (for tests)."""
@@ -237,6 +289,8 @@ class BlockManager:
         if cache is None:
             return
         cache.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         for seq in self._seqs.values():
             for i in range(self._num_published[seq.seq_id]):
                 entry = cache.entry(seq.block_table[i])
@@ -301,9 +355,14 @@ class BlockManager:
         if self._free:
             block_id = self._free.popleft()
         else:
-            evicted = self._cache.evict() if self._cache is not None else None
+            evicted = self._cache.evict_entry() if self._cache is not None else None
             assert evicted is not None, "no free or evictable block"
-            block_id = evicted
+            entry, uses = evicted
+            block_id = entry.block_id
+            if self.host_tier is not None:
+                # Its KV is intact until the caller writes the block: keep a host copy first.
+                host = self.host_tier
+                host.save(block_id, entry.block_hash, entry.namespace, entry.parent_hash, entry.token_ids, uses)
         assert self._ref_counts[block_id] == 0
         self._ref_counts[block_id] = 1
         return block_id

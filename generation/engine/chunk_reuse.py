@@ -80,6 +80,14 @@ def compile_prompt(head: PromptSegment, chunk: PromptSegment) -> tuple[list[int]
     return [*head.token_ids, *chunk.token_ids], [(0, head.namespace), (len(head.token_ids), chunk.namespace)]
 
 
+def _canonical_probe(head: PromptSegment, chunk: PromptSegment) -> Sequence:
+    """A sequence whose leading chain is the chunk's canonical chain `head ‖ chunk`, every full block matchable."""
+    ids, regions = compile_prompt(head, chunk)
+    # One token more: the block holding a prompt's last token is never matched, and here
+    # every full block of the chunk may be.
+    return Sequence([*ids, 0], max_tokens=1, namespace=regions)
+
+
 class ChunkReusePlanner:
     """Plans chunk reuse over a block manager's prefix cache (lookups only; no side effects).
 
@@ -105,6 +113,9 @@ class ChunkReusePlanner:
         A chunk whose leading blocks are cached but not its tail (an edited ending, an evicted
         tail) is a miss: its compile then recomputes only the missing blocks.
         """
+        if self.block_manager.host_tier is not None and len(head.token_ids) % self.block_manager.block_size == 0:
+            # Canonical blocks evicted to the host tier come back now: a hit, not a compile.
+            self.block_manager.restore_from_host(_canonical_probe(head, chunk))
         found = len(self.canonical_blocks(head, chunk)) >= max(1, len(chunk.token_ids) // self.block_manager.block_size)
         if found:
             self.num_chunk_hits += 1
@@ -121,12 +132,18 @@ class ChunkReusePlanner:
         head_len = len(head.token_ids)
         if head_len % bs:
             return []
-        ids, regions = compile_prompt(head, chunk)
-        # One token more: the block holding a prompt's last token is never matched, and here
-        # every full block of the chunk may be.
-        probe = Sequence([*ids, 0], max_tokens=1, namespace=regions)
-        hits = self.block_manager.match(probe)
+        hits = self.block_manager.match(_canonical_probe(head, chunk))
         return hits[head_len // bs :]
+
+    def restore_from_host(self, seq: Sequence) -> None:
+        """Copy back from the host tier the canonical blocks of seq's chunks that the GPU misses."""
+        assert seq.segments is not None
+        head = seq.segments[0]
+        if len(head.token_ids) % self.block_manager.block_size:
+            return  # no chunk is reused after an unaligned head (canonical_blocks)
+        for segment in seq.segments:
+            if segment.kind is SegmentKind.CHUNK:
+                self.block_manager.restore_from_host(_canonical_probe(head, segment))
 
     def plan(self, seq: Sequence, num_hit_blocks: int) -> ChunkReusePlan:
         """Copies and filled ranges for seq, whose first num_hit_blocks blocks are exact prefix hits."""

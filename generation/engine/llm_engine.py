@@ -14,6 +14,7 @@ from generation.engine.block_manager import BlockManager
 from generation.engine.cache_namespaces import CacheNamespaces, NamespaceSpec
 from generation.engine.chunk_reuse import ChunkReusePlanner, compile_prompt
 from generation.engine.detokenizer import PROMPT_CONTEXT_TOKENS
+from generation.engine.host_kv_tier import HostKVTier
 from generation.engine.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from generation.engine.model_runner import ModelRunner
 from generation.engine.output_state import OutputState
@@ -111,8 +112,12 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        host_kv = self.model_runner.host_kv
         self.block_manager = BlockManager(
-            self.model_runner.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.model_runner.num_kv_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            HostKVTier(self.config.host_kv_blocks, host_kv) if host_kv is not None else None,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,

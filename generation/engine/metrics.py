@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from generation.engine.host_kv_tier import HostKVTier
 from generation.engine.scheduler import Scheduler
 
 DEFAULT_WINDOW = 1000  # latency samples kept for the percentiles: recent behaviour, bounded memory
@@ -70,6 +71,14 @@ class MetricsSnapshot:
     chunk_cache_misses: int = 0
     # Chunks computed inside the prompt instead (not block-aligned, or evicted before admission).
     chunks_computed_in_place: int = 0
+    # Host tier (EngineConfig.host_kv_blocks; zeros when off): its size and blocks held now, GPU
+    # misses it served, blocks copied out / back since start, and its own evictions.
+    host_kv_blocks: int = 0
+    host_kv_blocks_used: int = 0
+    host_kv_hits: int = 0
+    host_kv_swapped_out: int = 0
+    host_kv_swapped_in: int = 0
+    host_kv_evictions: int = 0
 
 
 class _RequestTimes:
@@ -166,7 +175,21 @@ class EngineMetrics:
             chunk_cache_hits=planner.num_chunk_hits if planner is not None else 0,
             chunk_cache_misses=planner.num_chunk_misses if planner is not None else 0,
             chunks_computed_in_place=planner.num_chunks_in_place if planner is not None else 0,
+            **_host_tier_counters(bm.host_tier),
         )
+
+
+def _host_tier_counters(host: HostKVTier | None) -> dict[str, int]:
+    if host is None:
+        return {}
+    return {
+        "host_kv_blocks": host.capacity,
+        "host_kv_blocks_used": host.num_used_blocks,
+        "host_kv_hits": host.num_hits,
+        "host_kv_swapped_out": host.num_swapped_out,
+        "host_kv_swapped_in": host.num_swapped_in,
+        "host_kv_evictions": host.num_evictions,
+    }
 
 
 def _request_metrics(times: _RequestTimes) -> RequestMetrics:

@@ -14,6 +14,7 @@ import torch
 from generation.config import EngineConfig, ModelConfig
 from generation.engine.decode_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs, block_table_rows
+from generation.engine.host_kv_buffer import HostKVBuffer
 from generation.engine.kv_cache_sizing import GIB, decide_num_blocks, fit_max_model_len, kv_shape
 from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
@@ -106,6 +107,8 @@ class ModelRunner:
         shape = kv_shape(self.model_config, self.num_kv_blocks, self.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches: list[KVCache] = [(layer[0], layer[1]) for layer in self.kv_cache]
+        # The host tier's memory (EngineConfig.host_kv_blocks); its bookkeeping is the block manager's.
+        self.host_kv = HostKVBuffer(self.kv_cache, config.host_kv_blocks) if config.host_kv_blocks else None
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         num_tokens = self.num_kv_blocks * self.block_size
         logger.info(

@@ -75,6 +75,8 @@ class PrefixCache:
         self._by_block: dict[int, CachedBlock] = {}
         # Cached blocks with no reference, oldest release first (the next to evict).
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Hits on each cached block since it was published: its popularity for the host tier.
+        self._num_hits: dict[int, int] = {}
 
     @property
     def num_cached_blocks(self) -> int:
@@ -138,11 +140,21 @@ class PrefixCache:
 
     def evict(self) -> int | None:
         """Drop the least recently released block's entry and return its id (None if none)."""
+        evicted = self.evict_entry()
+        return evicted[0].block_id if evicted is not None else None
+
+    def evict_entry(self) -> tuple[CachedBlock, int] | None:
+        """Drop the least recently released block's entry; returns it and its hits (None if none)."""
         if not self._evictable:
             return None
         block_id, _ = self._evictable.popitem(last=False)
+        entry, hits = self._by_block[block_id], self._num_hits.get(block_id, 0)
         self._drop(block_id)
-        return block_id
+        return entry, hits
+
+    def record_hit(self, block_id: int) -> None:
+        """A request reused this cached block (counted for the host tier's priority)."""
+        self._num_hits[block_id] = self._num_hits.get(block_id, 0) + 1
 
     def clear_evictable(self) -> list[int]:
         """Drop every unreferenced block's entry; returns their ids for the free list."""
@@ -169,6 +181,7 @@ class PrefixCache:
             _check(block_id in self._by_block, f"evictable block {block_id} is not cached")
 
     def _drop(self, block_id: int) -> None:
+        self._num_hits.pop(block_id, None)
         entry = self._by_block.pop(block_id)
         del self._by_hash[entry.block_hash]
 

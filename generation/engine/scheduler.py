@@ -347,6 +347,11 @@ class Scheduler:
             if seq.waits_for & self._seqs.keys():
                 break  # its chunks' canonical KV is still being computed (first come, first served)
             self._check_fits_pool(seq)
+            if manager.host_tier is not None:
+                # GPU misses that the host tier holds come back first, then match like any hit.
+                manager.restore_from_host(seq)
+                if self.chunk_planner is not None and seq.segments is not None:
+                    self.chunk_planner.restore_from_host(seq)
             hits = manager.match(seq)  # hashing and looking up a long prompt once, not three times
             plan = None
             if self.chunk_planner is not None and seq.segments is not None:

@@ -1,0 +1,253 @@
+"""The host KV tier (EngineConfig.host_kv_blocks): evicted published blocks go to host memory and come
+back bit for bit, only under the exact same key, within a bounded buffer evicted by frequency and recency."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from generation import LLM, SamplingParams
+from generation.config import EngineConfig
+from generation.engine.block_manager import BlockManager
+from generation.engine.host_kv_tier import HostKVTier
+from generation.engine.llm_engine import LLMEngine
+from generation.engine.prefix_cache import hash_block
+from generation.engine.prompt_segments import PromptSegment
+from generation.engine.sequence import Sequence
+
+from .test_chunk_reuse import HEAD, QUESTION, first_logits, label
+
+BS = 4
+PROMPT_A = list(range(10, 27))  # 17 tokens: 4 full blocks, the last token in a fifth
+FILLERS = [list(range(30 + 20 * k, 47 + 20 * k)) for k in range(3)]  # enough to evict A from a 12-block pool
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+class RecordingCopier:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def swap_out(self, block_id: int, slot: int) -> None:
+        self.calls.append(("out", block_id, slot))
+
+    def swap_in(self, slot: int, block_id: int) -> None:
+        self.calls.append(("in", slot, block_id))
+
+
+def key(n: int, namespace: str = "ns") -> tuple[bytes, str, None, tuple[int, ...]]:
+    tokens = (n, n + 1, n + 2, n + 3)
+    return hash_block(namespace, None, tokens), namespace, None, tokens
+
+
+def test_the_host_index_finds_only_the_exact_key_and_copies_once():
+    copier = RecordingCopier()
+    host = HostKVTier(4, copier)
+    h, ns, parent, tokens = key(1)
+    host.save(7, h, ns, parent, tokens, uses=0)
+    host.save(9, h, ns, parent, tokens, uses=2)  # evicted again after a restore: already here
+    assert copier.calls == [("out", 7, 0)] and host.num_swapped_out == 1
+    assert host.find(h, ns, parent, tokens) == 0
+    # The same hash under another namespace, parent or text is not this entry (a forged hash).
+    assert host.find(h, "other", parent, tokens) is None
+    assert host.find(h, ns, b"\x00" * 32, tokens) is None
+    assert host.find(h, ns, parent, (9, 9, 9, 9)) is None
+    host.restore(0, h, 3)
+    assert copier.calls[-1] == ("in", 0, 3) and (host.num_hits, host.num_swapped_in) == (1, 1)
+    host.check_invariants()
+
+
+def test_host_eviction_keeps_frequent_blocks_and_ages_old_ones():
+    host = HostKVTier(2, RecordingCopier())
+    popular, one_off, newer = key(1), key(10), key(20)
+    host.save(0, *popular, uses=5)
+    host.save(1, *one_off, uses=0)
+    host.save(2, *newer, uses=0)  # full: the least used goes, not the oldest
+    assert host.find(*popular) is not None and host.find(*one_off) is None and host.find(*newer) is not None
+    assert host.num_evictions == 1 and host.num_used_blocks == 2
+    # Aging: each eviction raises the clock, so fresh entries soon outrank a popularity long past.
+    for n in range(30, 30 + 4 * 8, 4):
+        host.save(n, *key(n), uses=1)
+    assert host.find(*popular) is None
+    assert host.num_used_blocks == 2
+    host.check_invariants()
+    # Ties in priority go to the least recently used.
+    tie = HostKVTier(2, RecordingCopier())
+    tie.save(0, *key(1), uses=1)
+    tie.save(1, *key(10), uses=1)
+    tie.save(2, *key(20), uses=2)
+    assert tie.find(*key(1)) is None and tie.find(*key(10)) is not None
+
+
+def make_llm(path, **engine_args) -> LLM:
+    return LLM(path, device="cpu", dtype=torch.float32, block_size=BS, max_model_len=40, **engine_args)
+
+
+def prompt_logits(engine: LLMEngine, ids: list[int], namespace: str) -> torch.Tensor:
+    """fp32 logits [V] of the prompt's first sampled token, through the scheduler and runner."""
+    request_id = engine.add_request(ids, ONE, namespace)
+    while True:
+        batch = engine.scheduler.schedule()
+        engine.block_manager.check_invariants()
+        logits = engine.model_runner.compute_logits(batch)
+        rows = batch.sampling_entries
+        engine.scheduler.postprocess(batch, {e.seq.seq_id: [int(logits[i].argmax())] for i, e in enumerate(rows)})
+        for e in rows:
+            engine._requests.pop(e.seq.seq_id, None)
+        engine.block_manager.check_invariants()
+        for i, e in enumerate(rows):
+            if e.seq.seq_id == request_id:
+                return logits[i]
+
+
+def cached_kv(llm: LLM, ids: list[int], namespace: str) -> dict[bytes, torch.Tensor]:
+    """The KV of the prompt's published leading blocks now on the GPU, by block hash."""
+    cache = llm.engine.block_manager._cache
+    kv = llm.engine.model_runner.kv_cache
+    return {b.block_hash: kv[:, :, b.block_id].clone() for b in cache.cached_blocks() if b.namespace == namespace
+            and b.token_ids in {tuple(ids[i : i + BS]) for i in range(0, len(ids) - BS + 1, BS)}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("default")[0]
+
+
+def test_a_round_trip_through_the_host_restores_identical_kv_logits_and_tokens(tiny):
+    roomy = make_llm(tiny, num_kv_blocks=64)  # A never leaves the GPU
+    tight = make_llm(tiny, num_kv_blocks=12, host_kv_blocks=16)
+    manager, host = tight.engine.block_manager, tight.engine.block_manager.host_tier
+    for llm in (roomy, tight):
+        prompt_logits(llm.engine, PROMPT_A, "ns")
+    before = cached_kv(tight, PROMPT_A, "ns")
+    assert len(before) == 4
+    for llm in (roomy, tight):
+        for filler in FILLERS:
+            prompt_logits(llm.engine, filler, "ns")
+    assert tight.engine.num_cached_prefix_tokens(PROMPT_A, "ns") == 0, "the test must evict A from the GPU"
+    assert host.num_swapped_out >= 4 and host.num_hits == 0
+    # Host slots hold exactly what the GPU blocks held.
+    for block_hash, kv in before.items():
+        assert torch.equal(tight.engine.model_runner.host_kv.blocks[host._entries[block_hash].slot], kv)
+    got = prompt_logits(tight.engine, PROMPT_A, "ns")
+    want = prompt_logits(roomy.engine, PROMPT_A, "ns")
+    assert (host.num_hits, host.num_swapped_in) == (4, 4)
+    assert tight.metrics().prefix_cache_hit_tokens == roomy.metrics().prefix_cache_hit_tokens
+    assert torch.equal(got, want)
+    # The restored blocks are published again, holding identical KV.
+    assert {h: torch.equal(kv, before[h]) for h, kv in cached_kv(tight, PROMPT_A, "ns").items()} == dict.fromkeys(
+        before, True
+    )
+    # And generation from the restored prefix is the same, token for token.
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for filler in FILLERS:
+        tight.generate([filler], ONE, "ns")
+    hits_before = host.num_hits  # the fillers were evicted too, and some came back
+    assert tight.engine.num_cached_prefix_tokens(PROMPT_A, "ns") == 0
+    tokens = tight.generate([PROMPT_A], params, "ns")[0].token_ids
+    assert host.num_hits - hits_before == 4
+    assert tokens == roomy.generate([PROMPT_A], params, "ns")[0].token_ids
+    manager.check_invariants()
+    assert manager.num_used_blocks == 0
+
+
+def test_no_host_hit_across_namespaces_or_for_other_text(tiny):
+    llm = make_llm(tiny, num_kv_blocks=12, host_kv_blocks=16)
+    host = llm.engine.block_manager.host_tier
+    llm.generate([PROMPT_A], ONE, "acl:a")
+    for filler in FILLERS:
+        llm.generate([filler], ONE, "acl:a")
+    assert host.num_swapped_out >= 4
+    llm.generate([PROMPT_A], ONE, "acl:b")  # the same tokens in another permission domain
+    assert host.num_hits == 0
+    edited_first = [99, *PROMPT_A[1:]]
+    llm.generate([edited_first], ONE, "acl:a")
+    assert host.num_hits == 0
+    # An edit in block 2: blocks 0 and 1 are the same KV and come back; 2 and 3 never do.
+    edited_third = [*PROMPT_A[:9], 99, *PROMPT_A[10:]]
+    llm.generate([edited_third], ONE, "acl:a")
+    assert host.num_hits == 2
+    llm.engine.block_manager.check_invariants()
+
+
+def test_the_host_tier_is_bounded_and_references_balance(tiny):
+    llm = make_llm(tiny, num_kv_blocks=12, host_kv_blocks=3)
+    manager = llm.engine.block_manager
+    prompts = [list(range(5 + k, 22 + k)) for k in range(0, 60, 17)]
+    for _ in range(2):
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), "ns")
+        assert [len(o.token_ids) for o in outs] == [3] * len(prompts)
+        manager.check_invariants()
+    m = llm.metrics()
+    assert m.host_kv_blocks == 3 and m.host_kv_blocks_used == 3
+    assert m.host_kv_evictions > 0 and m.host_kv_swapped_out == m.host_kv_evictions + 3
+    assert m.host_kv_swapped_in == m.host_kv_hits
+    assert manager.num_used_blocks == 0
+    assert manager.reset_prefix_cache() > 0 and manager.host_tier.num_used_blocks == 0
+
+
+def test_chunk_kv_comes_back_from_the_host_instead_of_a_compile(tiny):
+    chunk = PromptSegment.of("chunk", list(range(20, 32)), "acl:a")
+    segments = [HEAD, label(1), chunk, QUESTION]
+    roomy = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=64, max_model_len=40,
+                kv_reuse="chunks")  # fmt: skip
+    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=12, max_model_len=40,
+                kv_reuse="chunks", host_kv_blocks=32)  # fmt: skip
+    for llm in (roomy, tight):
+        llm.generate_segmented([segments], ONE)
+        for filler in FILLERS:
+            llm.generate([filler], ONE, "acl:a")
+    planner = tight.engine.chunk_planner
+    assert planner.canonical_blocks(HEAD, chunk) == [], "the test must evict the chunk from the GPU"
+    got = first_logits(tight.engine, [HEAD, label(2), chunk, QUESTION])
+    want = first_logits(roomy.engine, [HEAD, label(2), chunk, QUESTION])
+    assert (planner.num_chunk_hits, planner.num_chunk_misses) == (1, 1)  # no second compile
+    assert tight.metrics().host_kv_hits >= 3
+    assert planner.num_chunks_reused == roomy.engine.chunk_planner.num_chunks_reused == 2
+    assert torch.equal(got, want)
+
+
+def test_off_by_default_and_checked():
+    assert EngineConfig().host_kv_blocks == 0
+    with pytest.raises(ValueError, match="host_kv_blocks must be >= 0"):
+        EngineConfig(host_kv_blocks=-1)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be on"):
+        EngineConfig(host_kv_blocks=8, enable_prefix_caching=False)
+
+
+def test_off_by_default_there_is_no_host_buffer_and_the_counters_stay_zero(tiny):
+    llm = make_llm(tiny, num_kv_blocks=12)
+    assert llm.engine.block_manager.host_tier is None and llm.engine.model_runner.host_kv is None
+    for prompt in [PROMPT_A, *FILLERS, PROMPT_A]:
+        llm.generate([prompt], ONE, "ns")
+    m = llm.metrics()
+    assert (m.host_kv_blocks, m.host_kv_hits, m.host_kv_swapped_out, m.host_kv_swapped_in) == (0, 0, 0, 0)
+    assert m.prefix_cache_hit_tokens == 0  # A was evicted and recomputed
+
+
+def computed_and_released(bm: BlockManager, tokens: list[int]) -> None:
+    """Run a prompt through the block manager alone: allocate, compute (publish), release."""
+    seq = Sequence(tokens, max_tokens=1, namespace="ns")
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(tokens)
+    bm.register_full_blocks(seq)
+    bm.deallocate(seq)
+
+
+def test_a_restore_never_reads_a_slot_that_its_own_block_take_reused():
+    # A one-slot host tier: taking a GPU block for the restore evicts a GPU block to the host,
+    # which takes the only slot, the one being restored. The restore must see that and stop.
+    copier = RecordingCopier()
+    bm = BlockManager(2, BS, host_tier=HostKVTier(1, copier))
+    a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    computed_and_released(bm, a)
+    computed_and_released(bm, b)  # evicts a's block to the host (slot 0)
+    assert copier.calls == [("out", 0, 0)]
+    holder = Sequence([50, 51], max_tokens=1, namespace="ns")
+    bm.allocate(holder)  # the free block: only b's cached block is left to take
+    restored = bm.restore_from_host(Sequence(a, max_tokens=1, namespace="ns"))
+    assert restored == 0 and not [c for c in copier.calls if c[0] == "in"]
+    assert copier.calls[-1] == ("out", 1, 0)  # b's block took the slot
+    bm.check_invariants()
+    bm.deallocate(holder)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 2
