@@ -150,6 +150,18 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("rag_engine_chunk_cache_misses",  # no vLLM peer
                                   "retrieved chunks whose KV had to be computed first",
                                   value=getattr(m, "chunk_cache_misses", 0))
+        # Host KV tier (host_kv_blocks; zeros when off), totals over everyone like the above.
+        yield GaugeMetricFamily("rag_engine_host_kv_blocks_used",  # no vLLM peer
+                                "KV blocks held in the host-memory tier", value=getattr(m, "host_kv_blocks_used", 0))
+        yield CounterMetricFamily("rag_engine_host_kv_hits",  # no vLLM peer
+                                  "KV blocks missing on the GPU found in the host tier",
+                                  value=getattr(m, "host_kv_hits", 0))
+        yield CounterMetricFamily("rag_engine_host_kv_swapped_out",  # no vLLM peer
+                                  "KV blocks copied from the GPU to the host tier",
+                                  value=getattr(m, "host_kv_swapped_out", 0))
+        yield CounterMetricFamily("rag_engine_host_kv_swapped_in",  # no vLLM peer
+                                  "KV blocks copied from the host tier back to the GPU",
+                                  value=getattr(m, "host_kv_swapped_in", 0))
 
 
 class ObservabilityMiddleware:
