@@ -251,3 +251,51 @@ def test_a_restore_never_reads_a_slot_that_its_own_block_take_reused():
     bm.deallocate(holder)
     bm.check_invariants()
     assert bm.num_free_blocks == 2
+
+
+def test_random_traffic_through_a_tight_pool_generates_what_a_roomy_one_does(tiny):
+    # Shared heads, repeated prompts and two namespaces through a pool that keeps evicting: the
+    # host tier moves blocks out and back all the time, and every output stays the same.
+    import random
+
+    rng = random.Random(0)
+    heads = [list(range(3 + 9 * k, 11 + 9 * k)) for k in range(3)]  # 2 blocks each
+    prompts = [(rng.choice(heads) + [rng.randrange(40, 120) for _ in range(rng.randrange(1, 14))],
+                rng.choice(["acl:a", "acl:b"])) for _ in range(12)]  # fmt: skip
+    prompts += rng.sample(prompts, 8)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    roomy = make_llm(tiny, num_kv_blocks=128)
+    tight = make_llm(tiny, num_kv_blocks=14, host_kv_blocks=24)
+    for ids, namespace in prompts:
+        want = roomy.generate([ids], params, namespace)[0].token_ids
+        assert tight.generate([ids], params, namespace)[0].token_ids == want
+        tight.engine.block_manager.check_invariants()
+    m = tight.metrics()
+    assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 0
+    assert tight.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_round_trip_on_cuda_through_pinned_memory_restores_identical_kv(tiny):
+    # Pinned host memory and asynchronous copies on the compute stream: the copy out must read
+    # the block before its reuse overwrites it, and the copy back land before the step reads it.
+    def cuda_llm(num_kv_blocks: int, **args) -> LLM:
+        return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
+                   num_kv_blocks=num_kv_blocks, **args)  # fmt: skip
+
+    roomy, tight = cuda_llm(64), cuda_llm(12, host_kv_blocks=16)
+    assert tight.engine.model_runner.host_kv.blocks.is_pinned()
+    for llm in (roomy, tight):
+        prompt_logits(llm.engine, PROMPT_A, "ns")
+    before = cached_kv(tight, PROMPT_A, "ns")
+    for llm in (roomy, tight):
+        for filler in FILLERS:
+            prompt_logits(llm.engine, filler, "ns")
+    assert tight.engine.num_cached_prefix_tokens(PROMPT_A, "ns") == 0
+    got = prompt_logits(tight.engine, PROMPT_A, "ns")
+    want = prompt_logits(roomy.engine, PROMPT_A, "ns")
+    assert tight.metrics().host_kv_hits == 4
+    restored = cached_kv(tight, PROMPT_A, "ns")
+    assert restored.keys() == before.keys() and all(torch.equal(restored[h], before[h]) for h in before)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
