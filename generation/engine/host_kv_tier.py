@@ -155,6 +155,11 @@ class HostKVTier:
         entry.priority = self._clock + entry.frequency
         entry.tick = next(self._ticks)
         heapq.heappush(self._heap, (entry.priority, entry.tick, entry.block_hash))
+        # Each use leaves the entry's older item stale; rebuild when stale ones dominate, so the
+        # heap stays within a few times the entries however often a hot block is used.
+        if len(self._heap) > 4 * len(self._entries) + 64:
+            self._heap = [(e.priority, e.tick, h) for h, e in self._entries.items()]
+            heapq.heapify(self._heap)
 
     def _evict(self) -> None:
         while True:
@@ -166,10 +171,6 @@ class HostKVTier:
         self._free_slots.append(entry.slot)
         self._clock = priority  # GDSF aging: later entries start above what was just evicted
         self.num_evictions += 1
-        # Stale items pile up only as fast as uses; rebuild when they dominate, to bound memory.
-        if len(self._heap) > 4 * len(self._entries) + 64:
-            self._heap = [(e.priority, e.tick, h) for h, e in self._entries.items()]
-            heapq.heapify(self._heap)
 
 
 def _check(condition: bool, message: str) -> None:

@@ -299,3 +299,15 @@ def test_a_round_trip_on_cuda_through_pinned_memory_restores_identical_kv(tiny):
     restored = cached_kv(tight, PROMPT_A, "ns")
     assert restored.keys() == before.keys() and all(torch.equal(restored[h], before[h]) for h in before)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_priority_heap_stays_bounded_under_many_uses():
+    # A hot block restored again and again, with the tier never full: no eviction ever compacts.
+    host = HostKVTier(8, RecordingCopier())
+    hot = key(1)
+    host.save(0, *hot, uses=1)
+    for _ in range(1000):
+        host.restore(0, hot[0], 5)
+    assert len(host._heap) <= 4 * host.num_used_blocks + 64
+    host.save(1, *key(10), uses=0)
+    assert host.find(*hot) == 0
