@@ -22,9 +22,11 @@ from ingest.source_names import SourceNamer
 from permissions.identity import IdentityStore
 from permissions.models import Principal
 from rag.admission import AdmissionControl
+from rag.answer_mode import AnswerMode, resolve_answer_mode
 from rag.answering import AnswerDone, PreparedAnswer, answer_events
 from rag.batching import BatchedQueryEmbedder, BatchedReranker
 from rag.errors import ConfigError, NotFoundError
+from rag.extractive import extract_answer
 from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
@@ -367,6 +369,8 @@ class Rag:
             # Nothing the user may read is about this: say so rather than let a model guess.
             answer.text = NO_ANSWER
             return PreparedAnswer(answer, None, started)
+        if self.answer_mode == "extract":
+            return self._prepare_extract(answer, relevant, result.hits, reranked, retrieval_query, started)
         t = time.perf_counter()
         generator = self.generator
         timings["load_generator"] = time.perf_counter() - t
@@ -382,6 +386,33 @@ class Rag:
         sources = order_sources(ranked, generator, request_for)  # the cached prefix first (rag.source_order)
         answer.citations = citations_for(sources, result.hits, reranked)
         return PreparedAnswer(answer, request_for(sources), started)
+
+    @cached_property
+    def answer_mode(self) -> AnswerMode:
+        """How this Rag writes answers: "extract" or "generate" (settings.answer_mode, "auto" decided)."""
+        return resolve_answer_mode(self.settings)
+
+    def _prepare_extract(self, answer: Answer, relevant: list[Hit], ranked: list[Hit], reranked: bool,
+                         retrieval_query: str | None, started: float) -> PreparedAnswer:
+        """The answer quoted from the relevant sources (rag/extractive.py); the generator is never loaded.
+
+        Only `relevant` is read: hits the retriever post-checked against the principal's ACL.
+        """
+        timings = answer.timings
+        if "load_reranker" not in timings:  # retrieval skipped the cross-encoder; extraction needs it
+            t = time.perf_counter()
+            self.batched_reranker  # noqa: B018 - loads the cross-encoder, timed apart from the work
+            timings["load_reranker"] = time.perf_counter() - t
+        scorer = self.batched_reranker
+        sources = canonical_order(relevant)  # the order of retrieval-only answers and remote prompts
+        answer.citations = citations_for(sources, ranked, reranked)
+        t = time.perf_counter()
+        # A follow-up ("and how do I book it?") is scored with the turn before it, as it was searched.
+        text = extract_answer(retrieval_query or answer.question, sources,
+                              lambda query, passages: scorer.batcher((query, passages)))
+        timings["extract"] = time.perf_counter() - t
+        answer.text = text or NO_ANSWER
+        return PreparedAnswer(answer, None, started)
 
     def _load_retrieval_models(self, dense: bool, rerank: bool) -> dict[str, float]:
         """Load the models this query uses, timed apart from the work (`rag query` says when loading dominates).

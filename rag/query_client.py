@@ -91,6 +91,7 @@ def response_to_dict(data: dict) -> dict:
         "user": data["user"],
         "groups": None,
         "answer": data["answer"],
+        "answer_mode": data.get("answer_mode"),  # absent from servers older than the field
         "citations": [
             {"number": c["number"], "source": c["source"], "document": c["document"], "chunk": c["chunk"],
              "score": round(c["score"], 4), "relevance": _round(c.get("relevance")), "rank": c.get("rank"),

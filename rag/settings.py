@@ -69,6 +69,11 @@ class Settings(BaseSettings):
     # Reranked sources scoring below this are dropped before generation (None keeps all).
     # The default suits ms-marco cross-encoders, whose logits for unrelated text are far below 0.
     min_rerank_score: float | None = -5.0
+    # How answers are written: "generate" (the generator's own words), "extract" (the sources'
+    # best-supported sentences quoted with their [n], scored by the cross-encoder; "I don't know"
+    # below a floor), or "auto": extract when the generator is the packaged SmolLM2-135M or a
+    # local model under 1B parameters, generate with a larger model or a remote one (rag/answer_mode.py).
+    answer_mode: Literal["auto", "generate", "extract"] = "auto"
     max_new_tokens: int = Field(default=128, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)
     context_tokens: int = Field(default=1400, ge=64, description="budget for packed sources in the prompt")

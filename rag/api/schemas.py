@@ -50,6 +50,9 @@ class QueryResponse(BaseModel):
     question: str
     user: str
     answer: str | None
+    answer_mode: Literal["extract", "generate"] | None = Field(default=None, description=(
+        "how the answer was written: 'extract' (sentences quoted from the sources, each with its [n]) "
+        "or 'generate' (the generator's words); null when generate is false"))
     citations: list[CitationOut]
     # Per-stage times for admin keys only (null for others): the keyword search's time grows with
     # the chunks that contain a term, readable or not, so it would tell others what exists.

@@ -283,7 +283,7 @@ def query(
                            rerank=False if no_rerank else None, mode=plain(mode))
     finally:
         rag.close()  # stops the engine's step thread before the interpreter exits
-    _print_answer(answer_to_dict(answer, principal), as_json)
+    _print_answer(answer_to_dict(answer, principal, rag.answer_mode if not no_generate else None), as_json)
     from rag.query_client import load_hint
 
     hint = load_hint(answer.timings)
@@ -321,6 +321,8 @@ def _print_answer(result: dict, as_json: bool) -> None:
         return
     if result["answer"] is not None:
         typer.echo(result["answer"])
+        if result.get("answer_mode"):
+            typer.echo(f"({ANSWER_MODE_NOTES.get(result['answer_mode'], result['answer_mode'])})")
         typer.echo("")
     if not result["citations"]:
         typer.echo(f"(no sources that {result['user']} may read match this question)")
@@ -339,13 +341,26 @@ def _shown_relevance(citation: dict) -> str:
     return f"score {citation['score']:.3f}"
 
 
-def answer_to_dict(answer, principal) -> dict:
-    """A local answer in the --json shape (also what `rag.query_client.response_to_dict` returns)."""
+# How the answer above was written (settings.answer_mode; "auto" extracts with a small generator).
+ANSWER_MODE_NOTES = {
+    "extract": "answer mode: extract - sentences quoted from the sources, best supported first; "
+               "answer_mode = \"generate\" lets the model write",
+    "generate": "answer mode: generate - written by the generator",
+}
+
+
+def answer_to_dict(answer, principal, answer_mode: str | None = None) -> dict:
+    """A local answer in the --json shape (also what `rag.query_client.response_to_dict` returns).
+
+    Args:
+        answer_mode: "extract" or "generate" (how the text was written), None without an answer.
+    """
     return {
         "question": answer.question,
         "user": principal.user,
         "groups": sorted(principal.groups),
         "answer": answer.text,
+        "answer_mode": answer_mode,
         "citations": [
             {"number": c.number, "source": c.source, "document": c.document_key,
              "chunk": c.chunk_index, "score": round(c.score, 4),

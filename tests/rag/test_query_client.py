@@ -64,7 +64,7 @@ def test_the_server_answers_with_the_keys_view(service, client_home):
     assert dave_out["citations"] and not any("imaging" in c["source"] for c in dave_out["citations"])
     assert not any("cryoem-res" in c["text"] for c in dave_out["citations"])
     # The local --json shape: raw score kept, relevance beside it; nothing was loaded or stored here.
-    assert set(bob_out) == {"question", "user", "groups", "answer", "citations", "timings_ms"}
+    assert set(bob_out) == {"question", "user", "groups", "answer", "answer_mode", "citations", "timings_ms"}
     for c in bob_out["citations"]:
         assert set(c) == {"number", "source", "document", "chunk", "score", "relevance", "rank", "text"}
         assert c["relevance"] == pytest.approx(1 / (1 + math.exp(-c["score"])), abs=1e-3)

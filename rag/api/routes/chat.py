@@ -70,7 +70,8 @@ async def chat_completions(request: Request, rag: RagDep, caller: AuditedCallerD
             stop=tuple(body.stop or ()), seed=body.seed)
         prepared.request = dataclasses.replace(prepared.request, params=params)
     events = until_disconnected(request, rag.answer_events(prepared, deadline))
-    reply = _Reply(body.model, _document_url(request, body.model), with_timings=caller.is_admin)
+    reply = _Reply(body.model, _document_url(request, body.model), with_timings=caller.is_admin,
+                   answer_mode=rag.answer_mode)
     if not body.stream:
         done = None
         async for event in events:
@@ -93,12 +94,14 @@ def _document_url(request: Request, collection: str):
 class _Reply:
     """The fixed parts of one completion's JSON: id, timestamps, model, citation entries."""
 
-    def __init__(self, model: str, url_for, with_timings: bool = False) -> None:
+    def __init__(self, model: str, url_for, with_timings: bool = False, answer_mode: str | None = None) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.url_for = url_for
         self.with_timings = with_timings  # admin keys only (see rag/api/routes/query.py)
+        # "extract" or "generate": a top-level extension field beside `citations` (clients ignore it).
+        self.answer_mode = answer_mode
 
     def annotations(self, answer: Answer) -> list[dict]:
         spans = marker_spans(answer.text or "", [c.number for c in answer.citations])
@@ -128,6 +131,8 @@ class _Reply:
             "usage": _usage(done),
             "citations": self.citations(answer),
         }
+        if self.answer_mode is not None:
+            completion["answer_mode"] = self.answer_mode
         if self.with_timings:
             completion["timings_ms"] = {k: round(v * 1000, 1) for k, v in answer.timings.items()}
         return completion

@@ -76,16 +76,18 @@ async def query(rag: RagDep, caller: AuditedCallerDep, request: Request):
         answer = done.answer if done else prepared.answer
         await audit_event(request, answer)
         return QueryResponse(question=answer.question, user=principal.user, answer=answer.text,
+                             answer_mode=rag.answer_mode if body.generate else None,
                              citations=citations_out(answer), timings_ms=timings_ms(answer, caller),
                              usage=_usage(done))
     # Wait for a generation slot before the headers go out: a full queue is a real 429.
     first = await anext(events, None)
+    mode = rag.answer_mode if body.generate else None
     return EventStream(audited_stream(request, prepared.answer,
-                                      _sse_body(request, prepared.answer, caller, first, events)))
+                                      _sse_body(request, prepared.answer, caller, first, events, mode)))
 
 
 async def _sse_body(request: Request, answer: Answer, caller: Caller, first,
-                    events: AsyncIterator) -> AsyncIterator[str]:
+                    events: AsyncIterator, answer_mode: str | None) -> AsyncIterator[str]:
     yield sse({"type": "citations", "question": answer.question, "user": caller.principal.user,
                "citations": [c.model_dump() for c in citations_out(answer)]}, event="citations")
     try:
@@ -94,8 +96,8 @@ async def _sse_body(request: Request, answer: Answer, caller: Caller, first,
                 yield sse({"type": "delta", "text": event.text}, event="delta")
             elif isinstance(event, AnswerDone):
                 record_answer(request, event)
-                done = {"type": "done", "answer": event.answer.text, "finish_reason": event.finish_reason,
-                        "usage": _usage(event)}
+                done = {"type": "done", "answer": event.answer.text, "answer_mode": answer_mode,
+                        "finish_reason": event.finish_reason, "usage": _usage(event)}
                 timings = timings_ms(event.answer, caller)
                 if timings is not None:
                     done["timings_ms"] = timings

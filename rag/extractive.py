@@ -1,0 +1,137 @@
+"""Extractive answers: quote the sources' best-supported sentences, each with its `[n]` citation.
+
+A small generator (the packaged 135M SmolLM2) paraphrases wrongly, loops and invents markers.
+Quoting is honest by construction: every sentence of the answer is a sentence of a source the
+asker was shown (the prepared, post-checked sources, never anything else), every `[n]` is that
+source's number, and a question that no sentence answers well enough gets no answer at all.
+Sentences are scored against the question by the cross-encoder, the model that reranked the
+sources, through the same batched scoring (concurrent requests share forward passes).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rag.types import Hit
+
+# (question, passages) -> one cross-encoder logit per passage (rag.batching.BatchedReranker's batcher).
+ScoreFn = Callable[[str, list[str]], list[float]]
+
+# A sentence ends at . ! or ? followed by space, or at a line break (Markdown lists, tables, headings).
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+# List bullets, heading marks and table pipes at the start of a line: layout, not text.
+_LEADING_MARKUP = re.compile(r"^(?:[#>*\-+|]+|\d+[.)])\s+")
+_MIN_WORDS = 3  # shorter fragments ("Contents", "Notes:") answer nothing
+_HEADING_WORDS = 5  # an unpunctuated line this short is a heading ("Using the GPU nodes"), not an answer
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """How an extractive answer is chosen.
+
+    Attributes:
+        floor: the cross-encoder logit the best sentence must reach; below it the answer is
+            "I don't know". ms-marco cross-encoders put unrelated text far below 0 and an
+            answering sentence above it; -2.5 (relevance ~0.08) was chosen on the sample
+            questions: their answering sentences score above -2, and the best sentences of
+            questions that must be refused below -3.3.
+        max_sentences: sentences quoted at most.
+        margin: a further sentence is quoted only if it scores within `margin` of the best
+            (a second, clearly weaker sentence adds noise, not support).
+    """
+
+    floor: float = -2.5
+    max_sentences: int = 2
+    margin: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_sentences <= 10:
+            raise ValueError(f"max_sentences must be in 1..10, got {self.max_sentences}")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """A sentence of source number `number` (1-based, the citation it gets)."""
+
+    text: str
+    number: int
+    score: float = float("-inf")
+
+
+def split_sentences(text: str) -> list[str]:
+    """The sentences of a chunk's text, layout marks stripped, fragments of under three words dropped."""
+    out = []
+    for piece in _SENTENCE_END.split(text.strip()):
+        sentence = _LEADING_MARKUP.sub("", piece.strip()).strip()
+        words = len(sentence.split())
+        heading = words <= _HEADING_WORDS and sentence[-1:] not in ".!?:;)"
+        if words >= _MIN_WORDS and not heading:
+            out.append(sentence)
+    return out
+
+
+def candidate_sentences(sources: Sequence[Hit]) -> list[Sentence]:
+    """Every distinct sentence of the sources, with the number of the first source it occurs in.
+
+    Overlapping chunks repeat sentences; each is scored (and quoted) once.
+    """
+    seen: set[str] = set()
+    out = []
+    for number, hit in enumerate(sources, 1):
+        for sentence in split_sentences(hit.text):
+            key = " ".join(sentence.casefold().split())
+            if key not in seen:
+                seen.add(key)
+                out.append(Sentence(sentence, number))
+    return out
+
+
+def scoring_text(sentence: Sentence, sources: Sequence[Hit]) -> str:
+    """What the cross-encoder reads for a sentence: its source's title, then the sentence.
+
+    A sentence alone often lacks its subject ("It is set to -65 C."); the title gives it back.
+    The title belongs to the same source, so nothing the asker may not read is scored.
+    """
+    hit = sources[sentence.number - 1]
+    title = hit.title or hit.heading
+    return f"{title}: {sentence.text}" if title else sentence.text
+
+
+def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
+                   config: ExtractConfig = ExtractConfig()) -> str | None:
+    """The answer quoted from `sources`, or None when no sentence reaches the floor.
+
+    Args:
+        question: what was asked.
+        sources: the sources shown with the answer, in citation order ([1] is sources[0]).
+            Only these are read: pass the prepared, permission-checked sources.
+        score: cross-encoder logits for (question, passages), batched.
+        config: floor, number of sentences, margin.
+
+    Returns:
+        Sentences best first, each followed by its marker ("... -65 C [2]."), or None.
+    """
+    candidates = candidate_sentences(sources)
+    if not candidates:
+        return None
+    logits = score(question, [scoring_text(s, sources) for s in candidates])
+    scored = sorted((Sentence(s.text, s.number, v) for s, v in zip(candidates, logits, strict=True)),
+                    key=lambda s: -s.score)  # stable: ties keep source order
+    best = scored[0].score
+    if best < config.floor:
+        return None
+    chosen = [s for s in scored[: config.max_sentences] if s.score >= max(config.floor, best - config.margin)]
+    return " ".join(cite(s.text, s.number) for s in chosen)
+
+
+def cite(sentence: str, number: int) -> str:
+    """The sentence with its marker before the final punctuation: "The alarm is at -65 C [2]."."""
+    sentence = sentence.rstrip()
+    if sentence[-1:] in (".", "!", "?", ":", ";"):
+        end = sentence[-1] if sentence[-1] in ".!?" else "."
+        return f"{sentence[:-1].rstrip()} [{number}]{end}"
+    return f"{sentence} [{number}]."

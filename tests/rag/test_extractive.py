@@ -1,0 +1,240 @@
+"""Extractive answers (rag/extractive.py) and the answer mode (rag/answer_mode.py).
+
+The unit tests score sentences with a keyword function (one module alone); the end-to-end tests
+use the real cross-encoder over the ingested sample corpus, the real HTTP API and the real CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from permissions.models import Principal
+from rag.answer_mode import SMALL_MODEL_PARAMETERS, parameter_count, resolve_answer_mode
+from rag.api.app import create_app
+from rag.citations import clean_markers
+from rag.experiments.answer_metrics import cited_numbers, is_refusal
+from rag.extractive import ExtractConfig, candidate_sentences, cite, extract_answer, split_sentences
+from rag.settings import Settings
+from rag.types import Hit
+from tests.rag.live_server import serving
+
+
+def _hit(i: int, text: str, title: str | None = None) -> Hit:
+    return Hit(chunk_id=i, document_key=f"/d/{i}.md", source=f"{i}.md", chunk_index=0, text=text, score=1.0,
+               title=title, acl=frozenset({"public"}))
+
+
+def keyword_scorer(*words: str):
+    """A stand-in cross-encoder: +5 per question word found in the passage, -8 for none."""
+
+    def score(question: str, passages: list[str]) -> list[float]:
+        return [sum(5.0 for w in words if w in p.casefold()) or -8.0 for p in passages]
+
+    return score
+
+
+SOURCES = [
+    _hit(1, "# Freezers\n\nThe lab has two freezers. They are in room B214.", "Freezer inventory"),
+    _hit(2, "- The -80 alarm is set to -65 C.\n- Alarms page the on-call phone.", "Alarms"),
+]
+
+
+def test_sentences_drop_layout_headings_and_fragments():
+    text = "# Using the GPU nodes\n\n- gpu01-gpu08 are in the gpu partition.\n* Notes:\nSee the guide. It helps a lot!"
+    assert split_sentences(text) == ["gpu01-gpu08 are in the gpu partition.", "See the guide.", "It helps a lot!"]
+
+
+def test_the_best_sentence_is_quoted_with_the_number_of_its_source():
+    answer = extract_answer("What is the -80 alarm set to?", SOURCES, keyword_scorer("alarm", "-65"))
+    # "Alarms page the on-call phone." scores 5 (its title says "alarm"): more than `margin` below the best.
+    assert answer == "The -80 alarm is set to -65 C [2]."
+
+
+def test_below_the_floor_there_is_no_answer():
+    assert extract_answer("Who won the 1998 World Cup?", SOURCES, keyword_scorer("football")) is None
+    assert extract_answer("anything", [_hit(1, "Contents")], keyword_scorer("contents")) is None  # nothing to quote
+
+
+def test_a_weaker_second_sentence_is_left_out():
+    scores = iter([[9.0, 1.0, 8.5, 0.0]])
+    answer = extract_answer("q", SOURCES, lambda q, p: next(scores), ExtractConfig(max_sentences=3, margin=2.0))
+    assert answer == "The lab has two freezers [1]. The -80 alarm is set to -65 C [2]."
+
+
+def test_a_sentence_repeated_by_overlapping_chunks_is_scored_once_and_cites_its_first_source():
+    overlap = [_hit(1, "The first part is here. The shared sentence is here."),
+               _hit(2, "The shared sentence is here. The later part is here.")]
+    assert [(s.text, s.number) for s in candidate_sentences(overlap)] == [
+        ("The first part is here.", 1), ("The shared sentence is here.", 1), ("The later part is here.", 2)]
+
+
+def test_the_title_gives_a_sentence_its_subject_when_scored():
+    seen: list[str] = []
+
+    def score(question, passages):
+        seen.extend(passages)
+        return [0.0] * len(passages)
+
+    extract_answer("q", SOURCES, score)
+    assert "Alarms: The -80 alarm is set to -65 C." in seen
+
+
+def test_markers_go_before_the_final_punctuation():
+    assert cite("It is -65 C.", 2) == "It is -65 C [2]."
+    assert cite("Window: Tuesday 11 March", 1) == "Window: Tuesday 11 March [1]."
+    assert cite("Ask staff:", 3) == "Ask staff [3]."
+
+
+@pytest.mark.parametrize("question", ["alarm", "freezers room", "phone", "nothing at all"])
+def test_every_marker_points_at_a_shown_source_that_holds_the_quoted_sentence(question):
+    answer = extract_answer(question, SOURCES, keyword_scorer(*question.split()))
+    if answer is None:
+        return
+    numbers = cited_numbers(answer)
+    assert numbers and all(1 <= n <= len(SOURCES) for n in numbers)
+    for sentence, n in re.findall(r"(.+?) \[(\d+)\][.!?]\s*", answer):
+        assert sentence.strip() in SOURCES[int(n) - 1].text
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="max_sentences"):
+        ExtractConfig(max_sentences=0)
+    with pytest.raises(ValueError, match="margin"):
+        ExtractConfig(margin=-1)
+
+
+# -- the answer mode --------------------------------------------------------------------------
+
+
+def _fake_safetensors(folder, shape):
+    """A weight file whose header names one tensor of `shape` (the data is never read)."""
+    folder.mkdir()
+    header = json.dumps({"w": {"dtype": "F16", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return folder
+
+
+def test_auto_extracts_with_the_packaged_or_a_small_local_model_and_generates_otherwise(tmp_path):
+    small = _fake_safetensors(tmp_path / "small", [1000, 1000])
+    large = _fake_safetensors(tmp_path / "large", [SMALL_MODEL_PARAMETERS, 2])
+    assert parameter_count(small) == 1_000_000
+    assert resolve_answer_mode(Settings(home=tmp_path)) == "extract"  # SmolLM2-135M
+    assert resolve_answer_mode(Settings(home=tmp_path, generator=str(small))) == "extract"
+    assert resolve_answer_mode(Settings(home=tmp_path, generator=str(large))) == "generate"
+    assert resolve_answer_mode(Settings(home=tmp_path, generator=str(tmp_path))) == "generate"  # size unknown
+    remote = Settings(home=tmp_path, generator_backend="remote", generator_url="http://gpu01:8000/v1")
+    assert resolve_answer_mode(remote) == "generate"
+    assert resolve_answer_mode(Settings(home=tmp_path, answer_mode="generate")) == "generate"
+    assert resolve_answer_mode(Settings(home=tmp_path, answer_mode="extract", generator=str(large))) == "extract"
+
+
+# -- end to end: the real cross-encoder over the sample corpus ---------------------------------
+
+FREEZER = "What temperature is the -80 freezer alarm set to?"
+GPU = "Which GPU nodes can I use?"
+
+
+@pytest.fixture
+def scored_sources(lab_rag, monkeypatch):
+    """Every source list the extractive answerer was handed, and every passage it scored."""
+    import rag.pipeline
+
+    seen: dict[str, list] = {"sources": [], "passages": []}
+    real = rag.pipeline.extract_answer
+
+    def spy(question, sources, score, *args):
+        seen["sources"].append(list(sources))
+
+        def scored(query, passages):
+            seen["passages"].extend(passages)
+            return score(query, passages)
+
+        return real(question, sources, scored, *args)
+
+    monkeypatch.setattr(rag.pipeline, "extract_answer", spy)
+    return seen
+
+
+def test_the_default_answers_the_freezer_question_by_quoting_the_inventory(lab_rag):
+    assert lab_rag.answer_mode == "extract"
+    answer = lab_rag.query(FREEZER, lab_rag.principal("alice"), k=3)
+    assert "-65 C" in answer.text
+    cited = {n: c for c in answer.citations for n in [c.number]}
+    numbers = cited_numbers(answer.text)
+    assert numbers and all(n in cited for n in numbers)
+    assert any(cited[n].source.endswith("genomics/freezer-inventory.txt") for n in numbers)
+    assert "extract" in answer.timings
+    assert "generator" not in lab_rag.__dict__  # the 135M model was never loaded
+
+
+ERIN = Principal("erin", frozenset({"genomics"}))  # genomics, but not the core manager
+KRAS = "What did the KRAS burden analysis in the CHR-77 cohort find?"  # embargoed: the core manager only
+
+
+@pytest.mark.parametrize(("user", "question", "secret"), [
+    ("dave", GPU, "cryoem-res"), ("dave", GPU, "gpu07"), ("dave", "Why is gpu05 unavailable?", "HBM"),
+    ("erin", KRAS, "3.4"), ("erin", KRAS, "KRAS (ENSG"),
+])
+def test_it_never_quotes_or_scores_text_the_asker_may_not_read(lab_rag, scored_sources, user, question, secret):
+    principal = ERIN if user == "erin" else lab_rag.principal(user)
+    answer = lab_rag.query(question, principal, k=5)
+    assert secret not in answer.text
+    for sources in scored_sources["sources"]:
+        assert all(principal.can_read(h.acl) for h in sources)
+    readable = [c.text for c in answer.citations]
+    assert all(any(p.split(": ", 1)[-1] in t for t in readable) for p in scored_sources["passages"])
+    if not is_refusal(answer.text):
+        for sentence in re.split(r"(?<=[.!?])\s+", clean_markers(answer.text, 0)):
+            # markers removed, every quoted sentence is (up to its final mark) in a readable source
+            assert any(sentence.rstrip(".!?").strip() in t for t in readable), sentence
+
+
+def test_a_question_no_readable_sentence_answers_gets_the_generators_refusal(lab_rag):
+    answer = lab_rag.query(KRAS, ERIN, k=5)
+    assert answer.text.startswith("I don't know")
+
+
+def test_streaming_gives_the_quoted_answer_in_one_piece(lab_rag):
+    answer, pieces = lab_rag.stream(FREEZER, lab_rag.principal("alice"), k=3)
+    text = list(pieces)
+    assert len(text) == 1 and "-65 C" in text[0]
+
+
+def test_the_api_says_which_mode_wrote_the_answer(lab_rag):
+    key = lab_rag.identity.create_key("alice", ["genomics"])
+    headers = {"Authorization": f"Bearer {key}"}
+    with serving(create_app(lab_rag.settings)) as url:
+        plain = httpx.post(f"{url}/v1/query", json={"question": FREEZER, "k": 3}, headers=headers, timeout=300)
+        bare = httpx.post(f"{url}/v1/query", json={"question": FREEZER, "generate": False}, headers=headers,
+                          timeout=300)
+        with httpx.stream("POST", f"{url}/v1/query", json={"question": FREEZER, "k": 3, "stream": True},
+                          headers=headers, timeout=300) as r:
+            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        chat = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=300,
+                          json={"model": "default", "messages": [{"role": "user", "content": FREEZER}]})
+    assert plain.status_code == 200 and plain.json()["answer_mode"] == "extract"
+    assert "-65 C" in plain.json()["answer"]
+    assert bare.json()["answer_mode"] is None
+    deltas = [e["text"] for e in events if e["type"] == "delta"]
+    done = events[-1]
+    assert done["type"] == "done" and done["answer_mode"] == "extract" and "".join(deltas) == done["answer"]
+    body = chat.json()
+    assert body["answer_mode"] == "extract" and "-65 C" in body["choices"][0]["message"]["content"]
+    assert body["object"] == "chat.completion"  # the OpenAI shape, with one extension field
+
+
+def test_the_cli_shows_the_mode_in_its_output_and_json(lab_rag):
+    env_home = str(lab_rag.settings.home)
+    base = [sys.executable, "-m", "rag.cli", "--home", env_home, "query", FREEZER, "--as", "alice", "--k", "3"]
+    human = subprocess.run(base, capture_output=True, text=True, timeout=600)
+    as_json = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=600)
+    assert human.returncode == 0 and as_json.returncode == 0, human.stderr + as_json.stderr
+    assert "answer mode: extract" in human.stdout and "-65 C" in human.stdout
+    assert json.loads(as_json.stdout)["answer_mode"] == "extract"
