@@ -84,7 +84,11 @@ def make_llm(path, **engine_args) -> LLM:
 
 def prompt_logits(engine: LLMEngine, ids: list[int], namespace: str) -> torch.Tensor:
     """fp32 logits [V] of the prompt's first sampled token, through the scheduler and runner."""
-    request_id = engine.add_request(ids, ONE, namespace)
+    return run_to_first_logits(engine, engine.add_request(ids, ONE, namespace))
+
+
+def run_to_first_logits(engine: LLMEngine, request_id: int) -> torch.Tensor:
+    """Step a queued request (and whatever runs before it) to its first sampled token; its logits."""
     while True:
         batch = engine.scheduler.schedule()
         engine.block_manager.check_invariants()
@@ -311,3 +315,29 @@ def test_the_priority_heap_stays_bounded_under_many_uses():
     assert len(host._heap) <= 4 * host.num_used_blocks + 64
     host.save(1, *key(10), uses=0)
     assert host.find(*hot) == 0
+
+
+def test_chunk_kv_evicted_between_arrival_and_admission_comes_back_at_admission(tiny):
+    chunk = PromptSegment.of("chunk", list(range(20, 32)), "acl:a")
+    later = [HEAD, label(2), chunk, QUESTION]
+    roomy = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=64, max_model_len=40,
+                kv_reuse="chunks")  # fmt: skip
+    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=12, max_model_len=40,
+                kv_reuse="chunks", host_kv_blocks=32)  # fmt: skip
+    for llm in (roomy, tight):
+        llm.generate_segmented([[HEAD, label(1), chunk, QUESTION]], ONE)
+    engine, planner = tight.engine, tight.engine.chunk_planner
+    request_id = engine.add_segmented_request(later, ONE)  # arrival: the chunk's KV is on the GPU
+    assert (planner.num_chunk_hits, planner.num_chunk_misses) == (1, 1)
+    # Before admission, other work pushes the canonical blocks out (straight through the pool:
+    # those blocks' own KV is never read here).
+    for filler in FILLERS:
+        computed_and_released(engine.block_manager, filler)
+    assert planner.canonical_blocks(HEAD, chunk) == []
+    hits_before = engine.block_manager.host_tier.num_hits
+    got = run_to_first_logits(engine, request_id)  # admission restores the chunk, then plans
+    want = first_logits(roomy.engine, later)
+    assert engine.block_manager.host_tier.num_hits > hits_before
+    assert planner.num_chunks_in_place == 0
+    assert planner.num_chunks_reused == roomy.engine.chunk_planner.num_chunks_reused
+    assert torch.equal(got, want)
