@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rag.types import Hit
+
 RRF_K = 60  # the constant of the paper: damps the advantage of the very first ranks
 
 
@@ -50,3 +52,26 @@ def reciprocal_rank_fusion(
     # order of the rankings, and the id tie-break then decides.
     ordered = sorted(((item, math.fsum(s)) for item, s in shares.items()), key=lambda p: (-p[1], p[0]))
     return ordered if limit is None else ordered[:limit]
+
+
+def fuse_reranked(retrieved: Sequence[Hit], reranked: Sequence[Hit], k: int = RRF_K) -> list[Hit]:
+    """The reranker's hits in the order of RRF over the retrieval order and the reranker's order.
+
+    The cross-encoder alone sometimes pushes the chunk that both legs ranked first below
+    near-duplicates that repeat the question's words (release notes, option lists); fusing
+    keeps its judgement as one vote instead of the only one. Each hit keeps the reranker's
+    score (relevance thresholds and display read it); ties go to the reranker's order.
+
+    Args:
+        retrieved: the hits best first as retrieval (and fusion of its legs) ranked them.
+        reranked: the same hits (by chunk_id), best first by the reranker, with its scores.
+        k: the RRF constant.
+
+    Returns:
+        `reranked`'s hits, reordered.
+    """
+    fused = reciprocal_rank_fusion([[(h.chunk_id, h.score) for h in retrieved],
+                                    [(h.chunk_id, h.score) for h in reranked]], k=k)
+    fused_score = dict(fused)
+    order = {h.chunk_id: i for i, h in enumerate(reranked)}
+    return sorted(reranked, key=lambda h: (-fused_score[h.chunk_id], order[h.chunk_id]))

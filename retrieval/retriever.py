@@ -1,7 +1,8 @@
 """Permission-aware retrieval: a dense leg, a keyword leg, or both fused, then the reranker.
 
 Both legs search only what the principal may read (the filter runs inside each store's
-query), hits are post-checked against their stored ACL, and only then reranked.
+query), hits are post-checked against their stored ACL, and only then reranked (the
+reranker's order fused with the retrieval order) and capped per document.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.fusion import reciprocal_rank_fusion
+from retrieval.diversity import cap_per_document
+from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 
 if TYPE_CHECKING:
     from retrieval.base import CollectionStore, Reranker
 
 MODES = ("dense", "keyword", "hybrid")
+# Measured on the PostgreSQL manual set (docs/benchmarks.md): see the settings of the same names.
+MAX_HITS_PER_DOCUMENT = 2
+FUSE_RERANK = True
 
 
 @dataclass
@@ -38,13 +43,25 @@ def check_mode(mode: str) -> str:
 
 
 class Retriever:
-    """legs (dense / keyword, each filtered by the principal's ACL) → fuse → post-check → rerank."""
+    """legs (dense / keyword, each filtered by the principal's ACL) → fuse → post-check → rerank
+    → at most `max_per_document` hits per document in the top k.
+
+    Args:
+        max_per_document: the per-document cap of the top k (None: no cap).
+        fuse_rerank: order by RRF of the retrieval and the reranker's orders (True) or by the
+            reranker alone (False). Hits carry the reranker's score either way.
+    """
 
     def __init__(self, store: CollectionStore, embed_query: Callable[[str], np.ndarray],
-                 reranker: Reranker | None = None) -> None:
+                 reranker: Reranker | None = None, max_per_document: int | None = MAX_HITS_PER_DOCUMENT,
+                 fuse_rerank: bool = FUSE_RERANK) -> None:
+        if max_per_document is not None and max_per_document < 1:
+            raise ConfigError(f"max_per_document must be >= 1 or None (no cap), got {max_per_document}")
         self.store = store
         self.embed_query = embed_query
         self.reranker = reranker
+        self.max_per_document = max_per_document
+        self.fuse_rerank = fuse_rerank
 
     def retrieve(self, question: str, principal: Principal, k: int = 5, candidates: int = 30,
                  rerank: bool = True, mode: str = "hybrid") -> RetrievalResult:
@@ -63,7 +80,9 @@ class Retriever:
         timings: dict[str, float] = {}
         tokens = sorted(store_filter(principal))
         self.store.refresh()
-        fetch = max(k, candidates if (rerank and self.reranker) else k)
+        # The cap needs spare candidates to fill the places it frees, as the reranker does.
+        capped = self.max_per_document is not None and self.max_per_document < k
+        fetch = max(k, candidates if ((rerank and self.reranker) or capped) else k)
 
         legs: list[list[tuple[int, float]]] = []
         if mode in ("dense", "hybrid"):
@@ -96,6 +115,9 @@ class Retriever:
 
         if rerank and self.reranker is not None and hits:
             t = time.perf_counter()
-            hits = self.reranker.rerank(question, hits, top_n=k)
+            # Every candidate is scored either way; the cap below may need ranks past k.
+            reranked = self.reranker.rerank(question, hits)
+            hits = fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
             timings["rerank"] = time.perf_counter() - t
-        return RetrievalResult(hits=hits[:k], timings=timings)
+        # After the post-check: the cap only chooses among hits the principal may read.
+        return RetrievalResult(hits=cap_per_document(hits, k, self.max_per_document), timings=timings)

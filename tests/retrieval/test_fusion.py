@@ -1,10 +1,11 @@
-"""Reciprocal rank fusion: ranks only, one-list ids count, deterministic ties."""
+"""Reciprocal rank fusion: ranks only, one-list ids count, deterministic ties; fusing the reranker's order."""
 
 from __future__ import annotations
 
 import pytest
 
-from retrieval.fusion import reciprocal_rank_fusion
+from rag.types import Hit
+from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 
 
 def test_scores_are_sums_of_reciprocal_ranks():
@@ -77,3 +78,24 @@ def test_empty_inputs():
 def test_invalid_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
         reciprocal_rank_fusion([[(1, 0.0)]], **kwargs)
+
+
+def _hit(chunk_id: int, score: float) -> Hit:
+    return Hit(chunk_id=chunk_id, document_key=f"d{chunk_id}", source="s", chunk_index=0, text=f"t{chunk_id}",
+               score=score)
+
+
+def test_fuse_reranked_keeps_the_retrieval_vote_and_the_reranker_scores():
+    retrieved = [_hit(i, 1.0 / (i + 1)) for i in range(5)]  # retrieval order 0 1 2 3 4
+    # The reranker puts 0 last (a near-duplicate fooled it); both orders agree 1 beats 2, 3 and 4.
+    scores = {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0, 0: 1.0}
+    reranked = sorted((_hit(i, scores[i]) for i in range(5)), key=lambda h: -h.score)
+    fused = fuse_reranked(retrieved, reranked)
+    assert [h.chunk_id for h in fused] == [1, 2, 0, 3, 4]  # 0: first and last = the middle, not the bottom
+    assert {h.chunk_id: h.score for h in fused} == scores  # the score shown is still the reranker's
+
+
+def test_fuse_reranked_ties_go_to_the_reranker():
+    retrieved = [_hit(1, 0.9), _hit(2, 0.8)]
+    reranked = [_hit(2, 5.0), _hit(1, 4.0)]  # exactly opposite: equal RRF sums
+    assert [h.chunk_id for h in fuse_reranked(retrieved, reranked)] == [2, 1]

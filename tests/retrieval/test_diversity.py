@@ -1,0 +1,118 @@
+"""At most N hits per document in the top k: the cap itself, and the Retriever over a real store.
+
+The Retriever tests use the embedded collection (real SQLite catalog and vector index) with the
+hash embedder of the fuzz corpus, so a query sharing a chunk's words ranks it high.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from permissions.models import Principal
+from rag.errors import ConfigError
+from rag.types import Hit
+from retrieval.diversity import cap_per_document
+from retrieval.records import ChunkRecord
+from retrieval.retriever import Retriever
+from tests.fuzz_corpus import hash_embed
+from tests.retrieval.test_retrieval_properties import Backend
+
+
+def hit(doc: str, i: int, score: float = 0.0) -> Hit:
+    return Hit(chunk_id=hash((doc, i)) & 0xFFFF, document_key=doc, source=doc, chunk_index=i,
+               text=f"{doc} {i}", score=score)
+
+
+def names(hits: list[Hit]) -> list[str]:
+    return [f"{h.document_key}{h.chunk_index}" for h in hits]
+
+
+def test_cap_keeps_order_and_fills_from_the_next_documents() -> None:
+    hits = [hit("a", 0), hit("a", 1), hit("a", 2), hit("b", 0), hit("a", 3), hit("c", 0), hit("b", 1)]
+    assert names(cap_per_document(hits, 4, 2)) == ["a0", "a1", "b0", "c0"]
+    assert names(cap_per_document(hits, 4, 1)) == ["a0", "b0", "c0", "a1"]  # too few others: filled in order
+    assert names(cap_per_document(hits, 4, None)) == ["a0", "a1", "a2", "b0"]
+    assert cap_per_document(hits, 0, 2) == []
+    with pytest.raises(ValueError, match="max_per_document"):
+        cap_per_document(hits, 4, 0)
+    with pytest.raises(ValueError, match="k must be"):
+        cap_per_document(hits, -1, 2)
+
+
+@pytest.fixture
+def store():
+    backend = Backend("faiss")
+    question = "how do I request a gpu node with sbatch gres"
+    # One long page that repeats the question's words in every chunk, and two shorter pages.
+    backend.write("long", frozenset({"public"}), [f"{question} part {i}" for i in range(6)])
+    backend.write("short", frozenset({"public"}), ["ask for a gpu please"])
+    backend.write("secret", frozenset({"group:secret"}), [f"{question} secret {i}" for i in range(4)])
+    backend.write("faq", frozenset({"group:lab"}), ["the sbatch manual"])
+    yield backend.reader, question
+    backend.close()
+
+
+@pytest.mark.parametrize("mode", ["dense", "keyword", "hybrid"])
+def test_retriever_caps_each_document_and_fills_with_readable_hits_only(store, mode) -> None:
+    reader, question = store
+    bob = Principal("bob", frozenset({"lab"}))
+
+    def retrieve(cap: int | None) -> list[Hit]:
+        retriever = Retriever(reader, lambda text: hash_embed([text])[0], max_per_document=cap)
+        return retriever.retrieve(question, bob, k=4, candidates=20, rerank=False, mode=mode).hits
+
+    uncapped, capped = retrieve(None), retrieve(2)
+    assert [h.document_key for h in uncapped] == ["long"] * 4
+    assert sorted(h.document_key for h in capped) == ["faq", "long", "long", "short"]
+    # The freed places go to readable pages: never to "secret", which matches the question best.
+    assert all(bob.can_read(h.acl) for h in capped)
+
+
+class RepeatingLeakyStore:
+    """Ignores the ACL filter: forbidden chunks sit between the readable ones in every leg."""
+
+    name = "leaky"
+    order = [("a", 0), ("a", 1), ("a", 2), ("f", 0), ("f", 1), ("a", 3), ("b", 0)]
+    acl = {"a": frozenset({"public"}), "f": frozenset({"group:secret"}), "b": frozenset({"public"})}
+
+    def refresh(self) -> bool:
+        return False
+
+    def search(self, query, k, tokens, exact=False):
+        return [(i, 1.0 - i / 10) for i in range(len(self.order))][:k]
+
+    def keyword_search(self, text, k, tokens):
+        return self.search(None, k, tokens)
+
+    def chunk_records(self, ids):
+        out = {}
+        for i in ids:
+            doc, index = self.order[i]
+            out[i] = ChunkRecord(i, doc, doc, None, index, f"text {doc}{index}", None, self.acl[doc])
+        return out
+
+
+class ReversingReranker:
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def rerank(self, query, hits, top_n=None):
+        self.seen = [h.chunk_id for h in hits]
+        return [Hit(**{**h.__dict__, "score": float(n)}) for n, h in enumerate(hits)][::-1][:top_n]
+
+
+@pytest.mark.parametrize("rerank", [False, True])
+def test_cap_applies_after_the_post_check(rerank) -> None:
+    reranker = ReversingReranker()
+    retriever = Retriever(RepeatingLeakyStore(), lambda q: hash_embed([q])[0], reranker, max_per_document=1)
+    hits = retriever.retrieve("q", Principal("bob"), k=3, candidates=7, rerank=rerank, mode="dense").hits
+    # Two readable documents only: the third place is filled from "a" again, never from "f".
+    assert {h.document_key for h in hits} == {"a", "b"} and len(hits) == 3
+    if rerank:
+        assert set(reranker.seen) == {0, 1, 2, 5, 6}  # every readable candidate scored, no forbidden one
+
+
+def test_invalid_cap_is_a_config_error(store) -> None:
+    reader, _ = store
+    with pytest.raises(ConfigError, match="max_per_document"):
+        Retriever(reader, lambda text: hash_embed([text])[0], max_per_document=0)
