@@ -267,7 +267,8 @@ class Rag:
         path = resolve_model_dir(self.settings.generator, self.settings.model_cache)
         return LocalGenerator(path, device=self.settings.device, max_num_seqs=self.settings.engine_max_num_seqs,
                               num_kv_blocks=self.settings.engine_num_kv_blocks,
-                              kv_reuse=self.settings.engine_kv_reuse)
+                              kv_reuse=self.settings.engine_kv_reuse,
+                              host_kv_blocks=self.settings.engine_host_kv_blocks)
 
     @cached_property
     def admission(self) -> AdmissionControl:

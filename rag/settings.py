@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     top_k: int = Field(default=5, ge=1, le=100, description="sources given to the generator")
     candidates: int = Field(default=20, ge=1, le=1000, description="hits fetched before reranking")
     rerank: bool = True
+    # At most this many of the top_k sources from one document (None: no cap), filled from the
+    # next candidates; and whether the reranker's order is fused (RRF) with the retrieval order
+    # instead of replacing it. Defaults measured on the PostgreSQL manual set (docs/benchmarks.md).
+    max_hits_per_document: int | None = Field(default=2, ge=1, le=100)
+    fuse_rerank: bool = True
     # Reranked sources scoring below this are dropped before generation (None keeps all).
     # The default suits ms-marco cross-encoders, whose logits for unrelated text are far below 0.
     min_rerank_score: float | None = -5.0
@@ -106,6 +111,9 @@ class Settings(BaseSettings):
     # "chunks" (a chunk's KV at any position, its first block recomputed: an approximation; see
     # README "Chunk KV reuse at any position" and its quality table before switching it on).
     engine_kv_reuse: Literal["exact", "chunks"] = "exact"
+    # KV blocks evicted from the GPU kept in (pinned) host memory and copied back on a hit; 0 = off.
+    # Each block costs layers x 2 x block_size x kv_heads x head_dim x dtype bytes (2 MiB for an 8B model).
+    engine_host_kv_blocks: int = Field(default=0, ge=0)
     # Admission control of the query service: generations in flight, and requests waiting for
     # one; past both, 429 with Retry-After. Each request has a deadline (504 past it).
     max_concurrent_generations: int = Field(default=64, ge=1, le=4096)

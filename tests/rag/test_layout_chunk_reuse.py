@@ -95,12 +95,25 @@ def test_the_local_generator_sends_rag_prompts_as_segments_when_chunks_are_reuse
         exact.engine.shutdown()
 
 
-def test_the_setting_reaches_the_engine(tmp_path):
-    from rag.settings import load_settings
-
-    assert load_settings(home=tmp_path / "a").engine_kv_reuse == "exact"
-    assert load_settings(home=tmp_path / "b", engine_kv_reuse="chunks").engine_kv_reuse == "chunks"
+def test_the_settings_reach_the_engine(tmp_path, model_dir):
     import pytest
 
+    from rag.generators.local import LocalGenerator
+    from rag.settings import load_settings
+
+    defaults = load_settings(home=tmp_path / "a")
+    assert (defaults.engine_kv_reuse, defaults.engine_host_kv_blocks) == ("exact", 0)
+    chosen = load_settings(home=tmp_path / "b", engine_kv_reuse="chunks", engine_host_kv_blocks=4)
+    assert (chosen.engine_kv_reuse, chosen.engine_host_kv_blocks) == ("chunks", 4)
     with pytest.raises(Exception, match="engine_kv_reuse"):
         load_settings(home=tmp_path / "c", engine_kv_reuse="approximately")
+    with pytest.raises(Exception, match="engine_host_kv_blocks"):
+        load_settings(home=tmp_path / "d", engine_host_kv_blocks=-1)
+    generator = LocalGenerator(model_dir, device="cpu", num_kv_blocks=64, kv_reuse=chosen.engine_kv_reuse,
+                               host_kv_blocks=chosen.engine_host_kv_blocks)
+    try:
+        config = generator.engine.engine.config
+        assert (config.kv_reuse, config.host_kv_blocks) == ("chunks", 4)
+        assert generator.metrics().host_kv_blocks == 4
+    finally:
+        generator.engine.shutdown()
