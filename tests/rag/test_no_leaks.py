@@ -70,7 +70,9 @@ def test_random_acls_never_leak(tmp_path, rag_factory, request, store):
     rng = random.Random(1234)
     secrets = _write_corpus(rng, tmp_path / "corpus")
     dsn = request.getfixturevalue("pg_dsn") if store == "pgvector" else None
-    rag = rag_factory(tmp_path / "home", max_new_tokens=24, store=store, dsn=dsn)
+    # Generation, so that every prompt the generator gets is checked (extraction's own check:
+    # tests/rag/test_extractive.py::test_it_never_quotes_or_scores_text_the_asker_may_not_read).
+    rag = rag_factory(tmp_path / "home", max_new_tokens=24, store=store, dsn=dsn, answer_mode="generate")
     report = rag.ingest([tmp_path / "corpus"])
     assert report.ok, report.problems
     assert report.added == 120

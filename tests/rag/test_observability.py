@@ -42,7 +42,8 @@ class _Lines(logging.Handler):
 def live(lab_rag):
     settings = lab_rag.settings.model_copy(update={
         "device": "cpu", "max_new_tokens": 8, "engine_num_kv_blocks": 256, "engine_max_num_seqs": 2,
-        "top_k": 2, "request_timeout": 120.0})
+        "top_k": 2, "request_timeout": 120.0,
+        "answer_mode": "generate"})  # the engine's path (the packaged model would answer by extraction)
     captured = _Lines()
     root, rag_logger = logging.getLogger(), logging.getLogger("rag")
     old_level = rag_logger.level

@@ -35,7 +35,10 @@ def service(tmp_path_factory, model_cache) -> Iterator[Service]:
         rag.close()
     env = {"RAG_MAX_NEW_TOKENS": "16", "RAG_EXPOSE_ENGINE_METRICS": "true", "RAG_ENGINE_NUM_KV_BLOCKS": "640",
            "RAG_ENGINE_MAX_NUM_SEQS": "4", "RAG_MAX_CONCURRENT_GENERATIONS": "2",
-           "RAG_MAX_QUEUED_GENERATIONS": "2", "RAG_TOP_K": "3"}
+           "RAG_MAX_QUEUED_GENERATIONS": "2", "RAG_TOP_K": "3",
+           # These tests are about our engine behind the API (usage, batching, KV, 429): the packaged
+           # model would otherwise answer by extraction (answer_mode auto; tests/rag/test_extractive.py).
+           "RAG_ANSWER_MODE": "generate"}
     with running_service(home, keys, env) as service:
         yield service
 

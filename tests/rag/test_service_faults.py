@@ -20,7 +20,8 @@ from tests.rag.live_server import serving
 def live(lab_rag):
     settings = lab_rag.settings.model_copy(update={
         "device": "cpu", "max_new_tokens": 8, "engine_num_kv_blocks": 256, "engine_max_num_seqs": 2,
-        "top_k": 2, "request_timeout": 120.0})
+        "top_k": 2, "request_timeout": 120.0,
+        "answer_mode": "generate"})  # the engine's path (the packaged model would answer by extraction)
     app = create_app(settings)
     key = lab_rag.identity.create_key("bob", ["imaging"])
     with serving(app) as url:
