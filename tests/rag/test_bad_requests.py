@@ -26,7 +26,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def live(lab_rag):
     keys = {"bob": lab_rag.identity.create_key("bob", ["imaging"]),
             "admin": lab_rag.identity.create_key("carol", admin=True)}
-    settings = lab_rag.settings.model_copy(update={"max_request_bytes": CAP, "device": "cpu"})
+    # Generation: the timings and usage checks below are about generated answers.
+    settings = lab_rag.settings.model_copy(update={"max_request_bytes": CAP, "device": "cpu",
+                                                   "answer_mode": "generate"})
     with serving(create_app(settings, preload=False)) as url:
         yield url, keys
 

@@ -154,7 +154,7 @@ def test_a_beir_folder_is_ingested_into_its_own_collection(small, tmp_path):
     assert rows.loc["q1", "relevant"] == 2 and df["leaks"].sum() == 0
 
 
-@pytest.mark.slow  # loads and runs the generator (~20 s on 2 CPU cores)
+@pytest.mark.slow  # answers two questions end to end
 def test_answer_metrics_with_generation(lab_rag, lab_copy):
     qset = read_questions(EXAMPLES / "questions.jsonl")
     freezer_bob = next(q for q in qset.questions if q.user == "bob" and "freezer" in q.text)
@@ -167,7 +167,9 @@ def test_answer_metrics_with_generation(lab_rag, lab_copy):
     assert not answered["should_refuse"]
     assert answered["refusal"] in ("answered", "false refusal")
     assert answered["markers"] == len(cited_numbers(answered["answer"]))
-    assert answered["generate_ms"] > 0
+    # The packaged 135M generator answers by extraction (answer_mode "auto"): a quote with its marker.
+    assert lab_rag.answer_mode == "extract" and math.isnan(answered["generate_ms"])
+    assert answered["markers"] >= 1 and answered["citation_precision"] == 1.0 and answered["expected_found"]
     summary = summarize(df)
     assert summary.iloc[0]["correct_refusals"] == 1 and summary.iloc[0]["wrong_answers"] == 0
 
