@@ -242,7 +242,9 @@ class Rag:
                     "--mode keyword, or re-ingest into a new collection")
             return self.query_embedder(question)
 
-        return Retriever(store, embed_query, self.batched_reranker if use_rerank else None)
+        return Retriever(store, embed_query, self.batched_reranker if use_rerank else None,
+                         max_per_document=self.settings.max_hits_per_document or None,  # 0: no cap
+                         fuse_rerank=self.settings.fuse_rerank)
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:

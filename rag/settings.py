@@ -66,10 +66,10 @@ class Settings(BaseSettings):
     top_k: int = Field(default=5, ge=1, le=100, description="sources given to the generator")
     candidates: int = Field(default=20, ge=1, le=1000, description="hits fetched before reranking")
     rerank: bool = True
-    # At most this many of the top_k sources from one document (None: no cap), filled from the
+    # At most this many of the top_k sources from one document (0: no cap), filled from the
     # next candidates; and whether the reranker's order is fused (RRF) with the retrieval order
     # instead of replacing it. Defaults measured on the PostgreSQL manual set (docs/benchmarks.md).
-    max_hits_per_document: int | None = Field(default=2, ge=1, le=100)
+    max_hits_per_document: int = Field(default=2, ge=0, le=100)
     fuse_rerank: bool = True
     # Reranked sources scoring below this are dropped before generation (None keeps all).
     # The default suits ms-marco cross-encoders, whose logits for unrelated text are far below 0.

@@ -116,3 +116,22 @@ def test_invalid_cap_is_a_config_error(store) -> None:
     reader, _ = store
     with pytest.raises(ConfigError, match="max_per_document"):
         Retriever(reader, lambda text: hash_embed([text])[0], max_per_document=0)
+
+
+def test_the_service_settings_reach_the_retriever(tmp_path):
+    """`max_hits_per_document` and `fuse_rerank` are what `Rag.retriever` builds its Retriever with."""
+    from rag.pipeline import Rag
+    from rag.settings import load_settings
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("# A\n\nalpha beta gamma\n")
+    for cap, fuse in ((2, True), (1, False), (0, True)):
+        r = Rag(load_settings(home=tmp_path / f"home-{cap}-{fuse}", store="memory",
+                              max_hits_per_document=cap, fuse_rerank=fuse))
+        try:
+            r.ingest([docs], progress=False)
+            retriever = r.retriever(rerank=False)
+            assert (retriever.max_per_document, retriever.fuse_rerank) == (cap or None, fuse)  # 0: no cap
+        finally:
+            r.close()
