@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rag.private_files import create_private_file, private_mkdir
+from rag.private_files import create_private_sqlite_file, private_mkdir
 from rag.types import Chunk
 
 _SCHEMA = """
@@ -50,7 +50,7 @@ class ChunkStaging:
         if path is not None:
             # Chunk text of any permission is here: only the job's owner may open the file.
             private_mkdir(path.parent)
-            create_private_file(path)
+            create_private_sqlite_file(path)
         self._db = sqlite3.connect(str(path) if path is not None else ":memory:", isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from permissions.models import Principal, check_name
 from rag.errors import AuthenticationError, ConfigError, NotFoundError, PermissionDenied
-from rag.private_files import create_private_file, private_mkdir
+from rag.private_files import create_private_sqlite_file, private_mkdir
 from rag.sqlite_threads import ThreadConnections
 
 SCHEMA = """
@@ -93,7 +93,7 @@ class IdentityStore:
 
     def __init__(self, path: Path) -> None:
         private_mkdir(path.parent)
-        create_private_file(path)  # 0600 before SQLite creates it with the umask's mode (-wal/-shm follow it)
+        create_private_sqlite_file(path)  # 0600 before SQLite creates it with the umask's mode (-wal/-shm follow it)
 
         def open_connection() -> sqlite3.Connection:
             conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)

@@ -148,6 +148,30 @@ def create_private_file(path: Path) -> Path:
     return Path(path)
 
 
+def create_private_sqlite_file(path: Path) -> Path:
+    """`create_private_file` for a SQLite database that this process may already have open.
+
+    Closing any file descriptor of a file drops every POSIX lock the process holds on it, and
+    SQLite's locks are POSIX locks: opening and closing the database file beside a live connection
+    (another thread's, or the identity store's on the catalog file) lets another process believe
+    nobody has it open, checkpoint and remove the WAL under us ("disk I/O error"). So an existing
+    file is tightened by path, never opened; a new one is created exclusively, before any
+    connection to it can exist.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        st = os.stat(path)
+        if st.st_uid == os.geteuid() and st.st_mode & _GROUP_OTHER:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~_GROUP_OTHER)
+        return Path(path)
+    try:
+        _tighten_fd(fd)
+    finally:
+        os.close(fd)
+    return Path(path)
+
+
 def open_private(path: Path, mode: str = "w", *, append: bool = False, encoding: str | None = None) -> IO:
     """Open `path` for writing, created 0600 (an existing file of ours is tightened first).
 

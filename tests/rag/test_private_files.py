@@ -315,3 +315,30 @@ def test_cli_home_is_owner_only(open_parent, lab_copy, model_cache):
     assert not_owner_only(home) == []
     if _nobody():
         assert _as_nobody("cat", str(home / "catalog.sqlite")).returncode != 0
+
+
+def test_preparing_an_open_database_keeps_the_processes_sqlite_locks(tmp_path):
+    """Opening and closing the catalog file beside a live connection dropped this process's POSIX
+    locks: another process then took the file for unused, emptied the WAL, and the next new
+    connection here failed with "disk I/O error" (a `rag query` beside a running service did it)."""
+    import subprocess
+    import sys
+    import threading
+
+    from permissions.identity import IdentityStore
+
+    db = tmp_path / "catalog.sqlite"
+    ids = IdentityStore(db)
+    ids.add_user("alice", ["genomics"])
+    other = ("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA journal_mode=WAL');"
+             " c.execute('CREATE TABLE IF NOT EXISTS t (x)'); c.execute('INSERT INTO t VALUES (1)'); c.commit();"
+             " c.close()")
+    IdentityStore(db).close()  # a second store on the same file, as Rag opens catalog + identity
+    assert subprocess.run([sys.executable, "-c", other, str(db)]).returncode == 0
+    ids.create_key("bob", ["imaging"])
+    seen: list[object] = []
+    thread = threading.Thread(target=lambda: seen.append(ids.principal_for("alice", ())))
+    thread.start()
+    thread.join()
+    assert len(seen) == 1 and "genomics" in seen[0].groups
+    ids.close()

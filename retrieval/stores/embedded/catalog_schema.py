@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from rag.errors import StoreError
-from rag.private_files import create_private_file, private_mkdir
+from rag.private_files import create_private_sqlite_file, private_mkdir
 from retrieval.stores.embedded import keyword_index
 
 SCHEMA = """
@@ -63,7 +63,7 @@ CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id);
 def connect(path: Path) -> sqlite3.Connection:
     """Open the catalog database with the pragmas every user of it needs."""
     private_mkdir(path.parent)
-    create_private_file(path)  # 0600 before SQLite creates it with the umask's mode (-wal/-shm follow it)
+    create_private_sqlite_file(path)  # 0600 before SQLite creates it with the umask's mode (-wal/-shm follow it)
     # check_same_thread=False only so that close() may run on another thread; each connection is
     # used by the one thread that opened it (ThreadConnections).
     conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
