@@ -89,7 +89,9 @@ def litellm(tmp_path_factory, model_cache) -> Iterator[openai.OpenAI]:
     _install_litellm()
     home = tmp_path_factory.mktemp("litellm-serve-home")
     keys = prepare_home(home, tmp_path_factory.mktemp("litellm-serve-corpus"), model_cache)
-    with running_service(home, keys, {"RAG_MAX_NEW_TOKENS": "16", "RAG_TOP_K": "3"}) as service:
+    # The engine writes the answer (the packaged model would answer by extraction, in one delta).
+    env = {"RAG_MAX_NEW_TOKENS": "16", "RAG_TOP_K": "3", "RAG_ANSWER_MODE": "generate"}
+    with running_service(home, keys, env) as service:
         workdir = tmp_path_factory.mktemp("litellm")
         config = workdir / "config.yaml"
         config.write_text(_config(service))
