@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from generation.engine.cache_namespaces import NamespaceKey
+from generation.engine.prefix_cache import is_same_block
 
 
 class KVBlockCopier(Protocol):
@@ -93,10 +94,7 @@ class HostKVTier:
         entry = self._entries.get(block_hash)
         if entry is None:
             return None
-        # Namespaces are a security boundary: compare the whole key, never only the hash.
-        if entry.namespace != namespace or entry.parent_hash != parent_hash or entry.token_ids != tuple(token_ids):
-            return None
-        return entry.slot
+        return entry.slot if is_same_block(entry, namespace, parent_hash, token_ids) else None
 
     def save(
         self,

@@ -52,6 +52,7 @@ def _int64s(n: int) -> struct.Struct:
 
 
 @dataclass(frozen=True, slots=True)
+
 class CachedBlock:
     """What a published block holds, kept so that a hit is checked exactly, not trusted to the hash."""
 
@@ -93,11 +94,7 @@ class PrefixCache:
         entry = self._by_hash.get(block_hash)
         if entry is None:
             return None
-        # Namespaces are a security boundary: compare the whole key (every region covering the
-        # block) and the content exactly, never only through the hash.
-        if entry.namespace != namespace or entry.parent_hash != parent_hash or entry.token_ids != tuple(token_ids):
-            return None
-        return entry.block_id
+        return entry.block_id if is_same_block(entry, namespace, parent_hash, token_ids) else None
 
     def insert(
         self,
@@ -190,3 +187,13 @@ def _check(condition: bool, message: str) -> None:
     # Not `assert`: tests call the checks and must not lose them under `python -O`.
     if not condition:
         raise AssertionError(message)
+
+
+def is_same_block(entry, namespace: NamespaceKey, parent_hash: bytes | None, token_ids: Sequence[int]) -> bool:
+    """Whether a cached entry (GPU or host tier) is exactly this block.
+
+    Namespaces are a security boundary: compare the whole key (every region covering the block)
+    and the content exactly, never only through the hash.
+    """
+    return (entry.namespace == namespace and entry.parent_hash == parent_hash
+            and entry.token_ids == tuple(token_ids))
