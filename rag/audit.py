@@ -24,6 +24,7 @@ from typing import Any
 from rag.private_files import private_mkdir
 
 AUDIT_FILE = "audit.jsonl"
+_LINE_BREAKS_ESCAPED = {c: f"\\u{c:04x}" for c in (0x85, 0x2028, 0x2029)}
 _MAX_BODY_BYTES = 1 << 20  # a larger body is not parsed for the audit (its question is not hashed)
 
 
@@ -39,7 +40,12 @@ class AuditLog:
     def write(self, entry: dict[str, Any]) -> None:
         # Refused requests are logged too, and their text may not be valid Unicode (a lone
         # surrogate escape): keep such characters escaped rather than fail the write.
-        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "backslashreplace")
+        text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+        # JSON leaves U+0085, U+2028 and U+2029 raw, and many line readers (Python's splitlines,
+        # log viewers) break lines there: a collection name a client made up could split an entry
+        # or forge a second one. Inside JSON output they occur only in strings, so escape them.
+        text = text.translate(_LINE_BREAKS_ESCAPED)
+        line = (text + "\n").encode("utf-8", "backslashreplace")
         with self._lock:
             if self._fd is None:
                 private_mkdir(self.path.parent)

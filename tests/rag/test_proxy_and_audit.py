@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from rag.api.app import create_app
-from rag.audit import AUDIT_FILE
+from rag.audit import AUDIT_FILE, AuditLog
 from tests.rag.live_server import serving
 
 GENOMICS_Q = "What temperature is the -80 freezer alarm set to?"
@@ -166,3 +166,20 @@ def test_audit_questions_keeps_the_question_text(lab_rag, tmp_path):
         assert _query(url, key, question="Which GPU nodes can I use? (kept)").status_code == 200
         (entry,) = _entries(lab_rag.settings.home / AUDIT_FILE, key)
         assert entry["question"] == "Which GPU nodes can I use? (kept)" and entry["status"] == 200
+
+
+@pytest.mark.parametrize("breaker", ["\u2028", "\u2029", "\x85", "\n", "\r", "\x1c"])
+def test_an_entry_stays_one_line_whatever_a_client_sends(tmp_path, breaker):
+    # A client chooses the collection name and the question; characters that some line readers
+    # take as line breaks must not split an entry or forge a second one (the CI once read a
+    # fuzzed collection name cut in half with splitlines).
+    log = AuditLog(tmp_path / AUDIT_FILE)
+    forged = f'x{breaker}{{"user":"alice","status":200}}'
+    log.write({"user": "bob", "collection": forged, "status": 404})
+    log.write({"user": "bob", "collection": "ok", "status": 200})
+    log.close()
+    text = (tmp_path / AUDIT_FILE).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) == 2
+    assert [json.loads(line)["collection"] for line in lines] == [forged, "ok"]
+    assert [e["user"] for e in log.read()] == ["bob", "bob"]
