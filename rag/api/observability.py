@@ -113,55 +113,55 @@ class _StateCollector(Collector):
         if metrics is None:  # not loaded yet, or a remote generator (scrape that server instead)
             return
         m = metrics()
-        yield GaugeMetricFamily("rag_engine_num_requests_running",  # vllm:num_requests_running
-                                "sequences in the engine's running batch", value=m.num_running)
-        yield GaugeMetricFamily("rag_engine_num_requests_waiting",  # vllm:num_requests_waiting
-                                "sequences waiting to be scheduled", value=m.num_waiting)
-        yield GaugeMetricFamily("rag_engine_kv_blocks_used",  # no vLLM peer (vllm:kv_cache_usage_perc is the ratio)
-                                "KV-cache blocks referenced by running sequences", value=m.num_kv_blocks_used)
-        yield GaugeMetricFamily("rag_engine_kv_blocks_free",  # no vLLM peer (vllm:kv_cache_usage_perc is the ratio)
-                                "KV-cache blocks free or holding evictable cached prefixes", value=m.num_kv_blocks_free)
-        yield GaugeMetricFamily("rag_engine_kv_cache_usage_ratio",  # vllm:kv_cache_usage_perc (a 0-1 fraction)
-                                "fraction of KV-cache blocks in use", value=m.kv_cache_usage)
-        # Cache behaviour, aggregated over every user: totals only, never per user or per request.
-        yield GaugeMetricFamily("rag_engine_prefix_cache_hit_rate",  # vllm:gpu_prefix_cache_hit_rate (vLLM v0)
-                                "prompt tokens served from the prefix cache / looked up, since start",
-                                value=m.prefix_cache_hit_rate)
-        yield CounterMetricFamily("rag_engine_prefix_cache_queries",  # vllm:prefix_cache_queries (tokens)
-                                  "prompt tokens looked up in the prefix cache", value=m.prefix_cache_queried_tokens)
-        yield CounterMetricFamily("rag_engine_prefix_cache_hits",  # vllm:prefix_cache_hits (tokens)
-                                  "prompt tokens served from the prefix cache", value=m.prefix_cache_hit_tokens)
-        yield CounterMetricFamily("rag_engine_num_preemptions",  # vllm:num_preemptions
-                                  "sequences preempted for KV blocks", value=m.num_preemptions)
-        yield CounterMetricFamily("rag_engine_request_success",  # vllm:request_success
-                                  "requests the engine finished", value=m.num_requests_finished)
-        yield CounterMetricFamily("rag_engine_generation_tokens",  # vllm:generation_tokens
-                                  "tokens the engine generated", value=m.num_generated_tokens)
-        # Chunk KV reuse (kv_reuse="chunks"; zero otherwise), totals over everyone like the above.
-        yield CounterMetricFamily("rag_engine_prompt_computed_tokens",  # vllm:prompt_tokens counts all, not computed
-                                  "prompt tokens the engine computed (prefill, chunk compiles)",
-                                  value=getattr(m, "prompt_computed_tokens", 0))
-        yield CounterMetricFamily("rag_engine_chunk_reused_tokens",  # no vLLM peer
-                                  "prompt tokens whose KV was copied from a cached chunk",
-                                  value=getattr(m, "chunk_reused_tokens", 0))
-        yield CounterMetricFamily("rag_engine_chunk_cache_hits",  # no vLLM peer
-                                  "retrieved chunks whose KV was cached when the request arrived",
-                                  value=getattr(m, "chunk_cache_hits", 0))
-        yield CounterMetricFamily("rag_engine_chunk_cache_misses",  # no vLLM peer
-                                  "retrieved chunks whose KV had to be computed first",
-                                  value=getattr(m, "chunk_cache_misses", 0))
-        # Host KV tier (host_kv_blocks; zeros when off), totals over everyone like the above.
-        yield GaugeMetricFamily("rag_engine_host_kv_blocks_used",  # no vLLM peer
-                                "KV blocks held in the host-memory tier", value=getattr(m, "host_kv_blocks_used", 0))
-        yield CounterMetricFamily("rag_engine_host_kv_hits",  # no vLLM peer
-                                  "KV blocks missing on the GPU found in the host tier",
-                                  value=getattr(m, "host_kv_hits", 0))
-        yield CounterMetricFamily("rag_engine_host_kv_swapped_out",  # no vLLM peer
-                                  "KV blocks copied from the GPU to the host tier",
-                                  value=getattr(m, "host_kv_swapped_out", 0))
-        yield CounterMetricFamily("rag_engine_host_kv_swapped_in",  # no vLLM peer
-                                  "KV blocks copied from the host tier back to the GPU",
-                                  value=getattr(m, "host_kv_swapped_in", 0))
+        for family, name, field, doc in _ENGINE_METRICS:
+            # getattr with 0: the chunk-reuse and host-tier fields exist only on engines that have them.
+            yield family(name, doc, value=getattr(m, field, 0))
+
+
+# The local engine's metrics, read at scrape time: (family, name, EngineMetrics field, help).
+# The comment on a row names the vLLM metric it mirrors, so dashboards built for vLLM map across.
+# Cache behaviour is aggregated over every user: totals only, never per user or per request. The
+# chunk-reuse rows are zero unless kv_reuse="chunks", the host-tier rows unless host_kv_blocks > 0.
+_ENGINE_METRICS = (
+    (GaugeMetricFamily, "rag_engine_num_requests_running", "num_running",
+     "sequences in the engine's running batch"),  # vllm:num_requests_running
+    (GaugeMetricFamily, "rag_engine_num_requests_waiting", "num_waiting",
+     "sequences waiting to be scheduled"),  # vllm:num_requests_waiting
+    (GaugeMetricFamily, "rag_engine_kv_blocks_used", "num_kv_blocks_used",
+     "KV-cache blocks referenced by running sequences"),
+    (GaugeMetricFamily, "rag_engine_kv_blocks_free", "num_kv_blocks_free",
+     "KV-cache blocks free or holding evictable cached prefixes"),
+    (GaugeMetricFamily, "rag_engine_kv_cache_usage_ratio", "kv_cache_usage",
+     "fraction of KV-cache blocks in use"),  # vllm:kv_cache_usage_perc (a 0-1 fraction)
+    (GaugeMetricFamily, "rag_engine_prefix_cache_hit_rate", "prefix_cache_hit_rate",
+     "prompt tokens served from the prefix cache / looked up, since start"),  # vllm:gpu_prefix_cache_hit_rate (vLLM v0)
+    (CounterMetricFamily, "rag_engine_prefix_cache_queries", "prefix_cache_queried_tokens",
+     "prompt tokens looked up in the prefix cache"),  # vllm:prefix_cache_queries (tokens)
+    (CounterMetricFamily, "rag_engine_prefix_cache_hits", "prefix_cache_hit_tokens",
+     "prompt tokens served from the prefix cache"),  # vllm:prefix_cache_hits (tokens)
+    (CounterMetricFamily, "rag_engine_num_preemptions", "num_preemptions",
+     "sequences preempted for KV blocks"),  # vllm:num_preemptions
+    (CounterMetricFamily, "rag_engine_request_success", "num_requests_finished",
+     "requests the engine finished"),  # vllm:request_success
+    (CounterMetricFamily, "rag_engine_generation_tokens", "num_generated_tokens",
+     "tokens the engine generated"),  # vllm:generation_tokens
+    (CounterMetricFamily, "rag_engine_prompt_computed_tokens", "prompt_computed_tokens",
+     "prompt tokens the engine computed (prefill, chunk compiles)"),  # vllm:prompt_tokens counts all
+    (CounterMetricFamily, "rag_engine_chunk_reused_tokens", "chunk_reused_tokens",
+     "prompt tokens whose KV was copied from a cached chunk"),
+    (CounterMetricFamily, "rag_engine_chunk_cache_hits", "chunk_cache_hits",
+     "retrieved chunks whose KV was cached when the request arrived"),
+    (CounterMetricFamily, "rag_engine_chunk_cache_misses", "chunk_cache_misses",
+     "retrieved chunks whose KV had to be computed first"),
+    (GaugeMetricFamily, "rag_engine_host_kv_blocks_used", "host_kv_blocks_used",
+     "KV blocks held in the host-memory tier"),
+    (CounterMetricFamily, "rag_engine_host_kv_hits", "host_kv_hits",
+     "KV blocks missing on the GPU found in the host tier"),
+    (CounterMetricFamily, "rag_engine_host_kv_swapped_out", "host_kv_swapped_out",
+     "KV blocks copied from the GPU to the host tier"),
+    (CounterMetricFamily, "rag_engine_host_kv_swapped_in", "host_kv_swapped_in",
+     "KV blocks copied from the host tier back to the GPU"),
+)
 
 
 class ObservabilityMiddleware:
