@@ -20,10 +20,26 @@ _Piece = tuple[str, str | None, list[int]]  # (chunk text, heading, pages)
 @dataclass(frozen=True)
 class ChunkingConfig:
     """How big chunks are: `max_tokens` per chunk (heading included), `overlap_tokens` between
-    the windows of a paragraph too big for one chunk."""
+    the windows of a paragraph too big for one chunk; with `title_context`, a section's chunks
+    are headed "document title › section heading" instead of the section heading alone, so a
+    chunk under "Parameters" or "Examples" still says which command's page it is from."""
 
     max_tokens: int = 200
     overlap_tokens: int = 32
+    title_context: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form a collection records its chunking in (`BuildSpec.chunking`). `title_context`
+        appears only when on, so collections built before it existed still match it when off."""
+        out: dict[str, Any] = {"max_tokens": self.max_tokens, "overlap_tokens": self.overlap_tokens}
+        if self.title_context:
+            out["title_context"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, recorded: dict[str, Any]) -> ChunkingConfig:
+        """The config a collection's recorded chunking (`as_dict`) was built with."""
+        return cls(recorded["max_tokens"], recorded["overlap_tokens"], bool(recorded.get("title_context", False)))
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
@@ -46,6 +62,7 @@ class _Section:
     titles: list[str]  # stacked headings (no body between them), outermost first
     has_real_titles: bool  # False while `titles` is only the document-title fallback
     body: list[Element] = field(default_factory=list)
+    context: int = 0  # characters of "title › " that _in_context put before titles[0]
 
 
 class Chunker:
@@ -130,7 +147,7 @@ class Chunker:
             if el.kind != "Title":
                 has_body = True
                 if packer is None:
-                    packer = _SectionPacker(self, current)
+                    packer = _SectionPacker(self, self._in_context(current, title))
                 yield from packer.add(Element(kind=el.kind, text=text, page=el.page))
             elif packer is not None:
                 yield from packer.close()
@@ -146,9 +163,23 @@ class Chunker:
             yield from packer.close()
         elif not has_body:
             # A document of headings only: its headings are all it says, so they are its chunk.
-            yield from _SectionPacker(self, current).close()
+            yield from _SectionPacker(self, self._in_context(current, title)).close()
         # else: trailing headings with no text under them (a page's footer bar, say) would be a
         # chunk that only repeats a title; it matches questions about that title and answers none.
+
+    def _in_context(self, section: _Section, doc_title: str | None) -> _Section:
+        """`section`, its outermost heading preceded by "doc_title › " when `title_context` is on.
+
+        Only real headings get the context (the title fallback is the title itself), and not a
+        heading that already says the title (a page whose first heading is its title).
+        """
+        if not (self.config.title_context and doc_title and section.has_real_titles and section.titles):
+            return section
+        first = section.titles[0]
+        if doc_title.casefold() in first.casefold():
+            return section
+        return _Section(heading=section.heading, titles=[f"{doc_title} › {first}", *section.titles[1:]],
+                        has_real_titles=True, context=len(doc_title) + len(" › "))
 
     @staticmethod
     def _compose(prefix: str, parts: list[str]) -> str:
@@ -236,8 +267,11 @@ class _SectionPacker:
         self.chunker = chunker
         self.heading = section.heading
         titles = list(section.titles)
+        limit = chunker.config.max_tokens // 2
+        if section.context and chunker.count_tokens("\n".join(titles)) > limit:
+            titles[0] = titles[0][section.context:]  # the title context goes first: it is only context
         moved: list[str] = []
-        while titles and chunker.count_tokens("\n".join(titles)) > chunker.config.max_tokens // 2:
+        while titles and chunker.count_tokens("\n".join(titles)) > limit:
             moved.append(titles.pop(0))
         self.prefix = "\n".join(titles)
         self.has_real_titles = section.has_real_titles

@@ -123,9 +123,9 @@ class Rag:
         """What an ingest with these settings builds a collection with: embedder and chunking."""
         from ingest.chunk import ChunkingConfig
 
-        cfg = ChunkingConfig(self.settings.chunk_max_tokens, self.settings.chunk_overlap_tokens)
-        return BuildSpec(self.embedder.name, self.embedder.fingerprint, self.embedder.dim,
-                         {"max_tokens": cfg.max_tokens, "overlap_tokens": cfg.overlap_tokens})
+        cfg = ChunkingConfig(self.settings.chunk_max_tokens, self.settings.chunk_overlap_tokens,
+                             self.settings.chunk_title_context)
+        return BuildSpec(self.embedder.name, self.embedder.fingerprint, self.embedder.dim, cfg.as_dict())
 
     @cached_property
     def dsn(self) -> str:
@@ -172,9 +172,7 @@ class Rag:
         from ingest.chunk import Chunker, ChunkingConfig
 
         store = self.collection(collection, create=True)
-        chunking = store.info.chunking
-        chunker = Chunker(self.embedder.tokenizer,
-                          ChunkingConfig(chunking["max_tokens"], chunking["overlap_tokens"]))
+        chunker = Chunker(self.embedder.tokenizer, ChunkingConfig.from_dict(store.info.chunking))
         namer = SourceNamer(self.settings.source_urls)
         guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
         # Chunks of a document spanning several embed batches wait here (ingest/staging.py).

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     # bounded memory at any size; PDF, DOCX and HTML are parsed whole, at several times their size.
     max_document_bytes: int = Field(default=100 * 1024 * 1024, ge=0)
     chunk_overlap_tokens: int = Field(default=32, ge=0, le=255)
+    # Head each section's chunks with "page title › section heading" rather than the heading
+    # alone ("CREATE INDEX › Examples", not "Examples"). Changing it re-chunks and re-embeds a
+    # collection on its next ingest (a new version, built beside the live one).
+    chunk_title_context: bool = False
     # Chunks per embed call of `rag ingest`, each committed when it returns (a killed run redoes
     # at most one). None: 256 on a CPU (~8 s of work), 4096 on a GPU, where small calls leave it
     # idle (bench/ingest_gpu.py).

@@ -145,7 +145,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         # The guard's fraction is of the whole collection's fair share per shard (this store holds only its part).
         live = rag.catalog.find_collection(name)
         live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
-        chunking = ChunkingConfig(spec.chunking["max_tokens"], spec.chunking["overlap_tokens"])
+        chunking = ChunkingConfig.from_dict(spec.chunking)
         chunker = Chunker(embedder.tokenizer, chunking)
         guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
         report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),

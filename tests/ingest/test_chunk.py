@@ -101,6 +101,41 @@ def test_a_document_of_headings_only_keeps_them(chunker) -> None:
     assert [(c.heading, c.text) for c in chunks] == [("Changes", "Release 15.1\nChanges")]
 
 
+@pytest.fixture(scope="module")
+def in_context(tokenizer) -> Chunker:
+    return Chunker(tokenizer, ChunkingConfig(max_tokens=48, overlap_tokens=8, title_context=True))
+
+
+def test_title_context_heads_sections_with_the_page_title(in_context) -> None:
+    # A reference page's sections ("Parameters", "Examples") say nothing of the page they are on.
+    d = doc(T("CREATE INDEX"), P("Builds an index."), T("Parameters"), P("CONCURRENTLY builds without locks."),
+            T("Examples"), T("Unique"), P("CREATE UNIQUE INDEX t_i ON t (i);"), title="CREATE INDEX")
+    assert [(c.heading, c.text) for c in in_context.chunk(d)] == [
+        ("CREATE INDEX", "CREATE INDEX\n\nBuilds an index."),  # the heading already says the title
+        ("Parameters", "CREATE INDEX › Parameters\n\nCONCURRENTLY builds without locks."),
+        ("Unique", "CREATE INDEX › Examples\nUnique\n\nCREATE UNIQUE INDEX t_i ON t (i);"),
+    ]
+    # Text before any heading is headed by the title alone; an untitled document gets no context.
+    assert [c.text for c in in_context.chunk(doc(P("Intro."), T("Setup"), P("Run it."), title="Guide"))] == [
+        "Guide\n\nIntro.", "Guide › Setup\n\nRun it."]
+    assert [c.text for c in in_context.chunk(doc(T("Setup"), P("Run it.")))] == ["Setup\n\nRun it."]
+
+
+def test_title_context_gives_way_first_when_the_heading_is_long(in_context) -> None:
+    heading = "Configuring the scheduler for preemptible GPU partitions"  # ~10 tokens
+    title = " ".join(["Very long page title"] * 6)  # with it, over half the 48-token cap
+    chunks = in_context.chunk(doc(T(heading), P("Set PreemptMode."), title=title))
+    assert [(c.heading, c.text) for c in chunks] == [(heading, f"{heading}\n\nSet PreemptMode.")]
+    assert all(c.num_tokens <= 48 for c in chunks)
+
+
+def test_chunking_is_recorded_so_older_collections_still_match() -> None:
+    plain, titled = ChunkingConfig(100, 10), ChunkingConfig(100, 10, title_context=True)
+    assert plain.as_dict() == {"max_tokens": 100, "overlap_tokens": 10}  # as collections recorded it before
+    assert titled.as_dict() == {"max_tokens": 100, "overlap_tokens": 10, "title_context": True}
+    assert [ChunkingConfig.from_dict(c.as_dict()) for c in (plain, titled)] == [plain, titled]
+
+
 def test_every_chunk_of_a_long_section_carries_its_heading(chunker) -> None:
     paras = [P(f"Paragraph {i} says something about job arrays and fair share.")
              for i in range(12)]
@@ -193,10 +228,11 @@ def _random_doc(rng: random.Random, n: int) -> Document:
     return doc(*elements, title=rng.choice([None, "Doc title"]), key=f"doc{n}")
 
 
+@pytest.mark.parametrize("title_context", [False, True])
 @pytest.mark.parametrize(("max_tokens", "overlap"), [(16, 0), (16, 7), (48, 8), (200, 32)])
 def test_property_cap_coverage_indices_determinism(tokenizer, max_tokens: int,
-                                                   overlap: int) -> None:
-    c = Chunker(tokenizer, ChunkingConfig(max_tokens=max_tokens, overlap_tokens=overlap))
+                                                   overlap: int, title_context: bool) -> None:
+    c = Chunker(tokenizer, ChunkingConfig(max_tokens=max_tokens, overlap_tokens=overlap, title_context=title_context))
     rng = random.Random(max_tokens * 100 + overlap)
     for n in range(15):
         d = _random_doc(rng, n)

@@ -115,6 +115,24 @@ def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_pat
     assert again.build is None and again.unchanged == 8 and again.chunks_written == 0
 
 
+def test_turning_title_context_on_rebuilds_and_only_then(tmp_path, embedder):
+    corpus = _corpus(tmp_path / "corpus")
+    for i in range(2):  # a section under the page's title: the context it gains is the title
+        (corpus / "a" / f"doc{i}.md").write_text(f"# Doc a{i}\n\nIntro.\n\n## Storage\n\nPlates of a{i}: S-{i}.\n")
+    home = tmp_path / "home"
+    assert _rag(home, embedder).ingest([corpus]).added == 8
+    assert _rag(home, embedder, chunk_title_context=False).ingest([corpus]).build is None  # off = as before
+
+    titled = _rag(home, embedder, chunk_title_context=True)
+    report = titled.ingest([corpus])
+    assert report.ok and report.build is not None and report.build.switched and report.updated == 8
+    assert titled.collection().info.chunking == {"max_tokens": 200, "overlap_tokens": 32, "title_context": True}
+    texts = _texts(titled)
+    assert {"Doc a0 › Storage\n\nPlates of a0: S-0.", "Doc a1 › Storage\n\nPlates of a1: S-1."} <= texts
+    assert not any("›" in t for t in texts - {t for t in texts if "Storage" in t})  # pages of one section: no context
+    assert titled.ingest([corpus]).build is None  # recorded: the next run has nothing to rebuild
+
+
 def test_a_rebuild_of_part_of_the_collection_waits_and_applies_acl_changes_at_once(tmp_path, embedder):
     corpus = _corpus(tmp_path / "corpus")
     home = tmp_path / "home"
