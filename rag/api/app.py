@@ -21,7 +21,9 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
 
     Args:
         settings: where the data lives, which models and generator to use, admission limits.
-        preload: load the embedder, reranker and generator at start-up rather than on the first query.
+        preload: load the models queries use at start-up rather than on the first query: the
+            embedder, the reranker, and the generator unless answers are extracted
+            (`answer_mode`), which never loads it.
     """
 
     @asynccontextmanager
@@ -33,9 +35,13 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
         def load() -> None:
             if settings.mode != "keyword":  # keyword-only retrieval never embeds a query
                 rag.embedder  # noqa: B018 - load models before taking traffic
-            if settings.rerank:
+            extract = rag.answer_mode == "extract"  # decided from settings and weight headers, nothing loaded
+            if settings.rerank or extract:  # extraction scores sentences with the cross-encoder
                 rag.reranker  # noqa: B018
-            rag.generator  # noqa: B018
+            if not extract:
+                # Extracted answers never generate (no request chooses the mode): loading the
+                # generator would only hold its weights and, on a GPU, its KV cache.
+                rag.generator  # noqa: B018
 
         if preload:
             await asyncio.to_thread(load)
