@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 
 NO_ANSWER = "I don't know: none of the documents you may read answer this question."
+# The most hits a query may hand the reranker: the `candidates` setting's bound. Every candidate
+# is a cross-encoder forward pass, so more than this is a mistake, not a tuning.
+MAX_CANDIDATES = 1000
 
 
 class Rag:
@@ -282,25 +285,31 @@ class Rag:
 
     def query(self, question: str, principal: Principal, collection: str | None = None,
               k: int | None = None, generate: bool = True, rerank: bool | None = None,
-              mode: str | None = None, history: Sequence[dict[str, str]] = ()) -> Answer:
+              mode: str | None = None, history: Sequence[dict[str, str]] = (),
+              candidates: int | None = None) -> Answer:
         """Answer a question from what `principal` may read.
 
         Args:
             mode: retrieval legs, "dense", "keyword" or "hybrid" (default: settings.mode).
             history: earlier turns of a conversation ({"role", "content"}), kept in the prompt.
+            candidates: hits each retrieval leg hands to the reranker, 1..MAX_CANDIDATES
+                (default: settings.candidates); at least k are fetched either way.
 
         Raises:
-            ConfigError: empty question, bad k or unknown mode.
+            ConfigError: empty question, bad k or candidates, or unknown mode.
             NotFoundError: unknown collection.
             OverloadedError: every generation slot is taken and the queue is full.
         """
-        return self._loop.run(self.aquery(question, principal, collection, k, generate, rerank, mode, history))
+        return self._loop.run(self.aquery(question, principal, collection, k, generate, rerank, mode, history,
+                                          candidates))
 
     async def aquery(self, question: str, principal: Principal, collection: str | None = None,
                      k: int | None = None, generate: bool = True, rerank: bool | None = None,
-                     mode: str | None = None, history: Sequence[dict[str, str]] = ()) -> Answer:
+                     mode: str | None = None, history: Sequence[dict[str, str]] = (),
+                     candidates: int | None = None) -> Answer:
         """`query` for async callers: retrieval runs in a worker thread, generation is batched."""
-        prepared = await self.aprepare(question, principal, collection, k, generate, rerank, mode, history)
+        prepared = await self.aprepare(question, principal, collection, k, generate, rerank, mode, history,
+                                       candidates=candidates)
         async for event in self.answer_events(prepared):
             if isinstance(event, AnswerDone):
                 return event.answer
@@ -326,20 +335,21 @@ class Rag:
     async def aprepare(self, question: str, principal: Principal, collection: str | None = None,
                        k: int | None = None, generate: bool = True, rerank: bool | None = None,
                        mode: str | None = None, history: Sequence[dict[str, str]] = (),
-                       retrieval_query: str | None = None) -> PreparedAnswer:
+                       retrieval_query: str | None = None, candidates: int | None = None) -> PreparedAnswer:
         """Retrieve (in a worker thread: embedding, search and rerank stay off the event loop)."""
         return await asyncio.to_thread(self.prepare, question, principal, collection, k, generate, rerank,
-                                       mode, history, retrieval_query)
+                                       mode, history, retrieval_query, candidates)
 
     def prepare(self, question: str, principal: Principal, collection: str | None = None,
                 k: int | None = None, generate: bool = True, rerank: bool | None = None,
                 mode: str | None = None, history: Sequence[dict[str, str]] = (),
-                retrieval_query: str | None = None) -> PreparedAnswer:
+                retrieval_query: str | None = None, candidates: int | None = None) -> PreparedAnswer:
         """Retrieve and pack the prompt; the returned PreparedAnswer says what to generate.
 
         Args:
             retrieval_query: what to search with, when it differs from the question (a
                 follow-up in a conversation is searched with the turn before it).
+            candidates: hits per retrieval leg for the reranker (see `query`).
         """
         started = time.perf_counter()
         question = (question or "").strip()
@@ -348,6 +358,7 @@ class Rag:
         k = k if k is not None else self.settings.top_k
         if not 1 <= k <= 100:
             raise ConfigError(f"k must be between 1 and 100, got {k}")
+        candidates = check_candidates(self.settings.candidates if candidates is None else candidates)
         self.collection(collection)  # an unknown collection fails before any model loads
         mode = check_mode(mode or self.settings.mode)
         timings = self._load_retrieval_models(dense=mode != "keyword",
@@ -355,7 +366,7 @@ class Rag:
         retriever = self.retriever(collection, rerank)
         reranked = retriever.reranker is not None
         result = retriever.retrieve(retrieval_query or question, principal, k=k,
-                                    candidates=max(k, self.settings.candidates),
+                                    candidates=max(k, candidates),
                                     rerank=reranked, mode=mode)
         timings |= result.timings
         answer = Answer(question=question, text=None, citations=[], hits=result.hits, timings=timings)
@@ -457,6 +468,15 @@ class Rag:
     @cached_property
     def _salt_key(self) -> bytes:
         return os.urandom(32)
+
+
+def check_candidates(candidates: object) -> int:
+    """`candidates` if it is a whole number in 1..MAX_CANDIDATES, else ConfigError saying so."""
+    # bool is an int in Python: candidates=True would quietly mean 1.
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or not 1 <= candidates <= MAX_CANDIDATES:
+        raise ConfigError(f"candidates must be a whole number between 1 and {MAX_CANDIDATES} (hits handed to the "
+                          f"reranker per retrieval leg), got {candidates!r}")
+    return candidates
 
 
 def acl_namespace(acl: frozenset[str]) -> str:

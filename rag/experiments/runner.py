@@ -11,9 +11,8 @@ the ACL filter and post-check are the real ones. Ground truth comes from the sto
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,10 +138,9 @@ class Experiment:
     def _row(self, rag: Rag, name: str, root: Path, acls: StoredAcls, config: Config, q: Question,
              generate: bool, ks: Sequence[int]) -> dict[str, Any]:
         truth = acls.truth(q)
-        with _candidates(rag, config.candidates):
-            candidates = rag.settings.candidates
-            answer = rag.query(q.text, q.principal, collection=name, k=config.k, generate=generate,
-                               rerank=config.rerank, mode=config.mode)
+        candidates = config.candidates if config.candidates is not None else rag.settings.candidates
+        answer = rag.query(q.text, q.principal, collection=name, k=config.k, generate=generate,
+                           rerank=config.rerank, mode=config.mode, candidates=candidates)
         ranked = [label_of(h.document_key, root) for h in answer.hits]
         relevant = truth.relevant
         grades = {s: q.grade(s) for s in relevant}
@@ -198,22 +196,3 @@ def run_experiment(rag: Rag, questions: Questions, configs: Sequence[Config] | C
     """One call: `Experiment(rag, root, corpus, collection).run(questions, configs)`; variants are kept on disk."""
     with Experiment(rag, root, corpus, collection, progress=progress) as exp:
         return exp.run(questions, configs, generate=generate, ks=ks)
-
-
-@contextlib.contextmanager
-def _candidates(rag: Rag, candidates: int | None) -> Iterator[None]:
-    """The Rag's settings with another `candidates` for one query.
-
-    `Rag.prepare` reads the candidate count from its settings (a query takes no such argument),
-    and an experiment must vary it while asking through the same path as users. Settings are
-    frozen, so a copy stands in for the one call and the original is put back.
-    """
-    if candidates is None or candidates == rag.settings.candidates:
-        yield
-        return
-    original = rag.settings
-    rag.settings = original.model_copy(update={"candidates": candidates})
-    try:
-        yield
-    finally:
-        rag.settings = original
