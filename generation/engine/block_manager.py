@@ -91,6 +91,27 @@ class BlockManager:
         """Tokens that `allocate(seq)` would take from the cache right now (no side effects)."""
         return len(self.match(seq)) * self.block_size
 
+    def num_restorable_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of seq's leading full blocks that the GPU cache or the host tier holds now (no side effects).
+
+        What `restore_from_host` and then `match` would take: block by block under the exact key
+        (namespace key, parent, tokens), a GPU hit or a host entry continues the run and the first
+        block held by neither ends it; never the block holding seq's last token. Whether the pool
+        has free blocks for the copies back is not checked (a full pool may restore fewer).
+        """
+        host, cache = self.host_tier, self._cache
+        if host is None or cache is None:
+            return self.num_prefix_hit_tokens(seq)
+        run = 0
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            key = (self._block_hash(seq, i), seq.block_namespace_key(i, self.block_size))
+            parent = seq.block_hashes[i - 1] if i else None
+            tokens = seq.block_tokens(i, self.block_size)
+            if cache.lookup(*key, parent, tokens) is None and host.find(*key, parent, tokens) is None:
+                break
+            run += 1
+        return run * self.block_size
+
     def match(self, seq: Sequence) -> list[int]:
         """Physical blocks of the longest cached run of seq's leading full blocks (no side effects).
 

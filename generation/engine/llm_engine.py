@@ -300,6 +300,9 @@ class LLMEngine:
     def num_cached_prefix_tokens(self, token_ids: list[int], namespace: NamespaceSpec = None) -> int:
         """Leading tokens of `token_ids` whose KV the prefix cache holds now under `namespace` (whole blocks).
 
+        Blocks the host KV tier holds count too: admission copies them back instead of computing
+        them. Either way a block counts only under the exact namespace, prefix and tokens.
+
         Read-only: no reference count, LRU position or hit counter changes, so a caller can probe
         several candidate prompts (orders of retrieved sources) and submit one. It only reads
         the cache's maps, so another thread than the stepping one may call it; the answer can be
@@ -313,7 +316,7 @@ class LLMEngine:
         # One token more: the block holding a prompt's last token is never taken from the cache,
         # and here every full block of token_ids counts.
         probe = Sequence([*token_ids, 0], max_tokens=1, namespace=namespace)
-        return self.block_manager.num_prefix_hit_tokens(probe)
+        return self.block_manager.num_restorable_prefix_tokens(probe)
 
     # ---------------------------------------------------------------------------------------------
     # A step

@@ -111,6 +111,11 @@ def cached_kv(llm: LLM, ids: list[int], namespace: str) -> dict[bytes, torch.Ten
             and b.token_ids in {tuple(ids[i : i + BS]) for i in range(0, len(ids) - BS + 1, BS)}}  # fmt: skip
 
 
+def gpu_cached_tokens(llm: LLM, ids: list[int], namespace: str) -> int:
+    """Leading tokens of ids whose KV the GPU prefix cache holds (the host tier not counted)."""
+    return llm.engine.block_manager.num_prefix_hit_tokens(Sequence([*ids, 0], max_tokens=1, namespace=namespace))
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("default")[0]
@@ -127,7 +132,7 @@ def test_a_round_trip_through_the_host_restores_identical_kv_logits_and_tokens(t
     for llm in (roomy, tight):
         for filler in FILLERS:
             prompt_logits(llm.engine, filler, "ns")
-    assert tight.engine.num_cached_prefix_tokens(PROMPT_A, "ns") == 0, "the test must evict A from the GPU"
+    assert gpu_cached_tokens(tight, PROMPT_A, "ns") == 0, "the test must evict A from the GPU"
     assert host.num_swapped_out >= 4 and host.num_hits == 0
     # Host slots hold exactly what the GPU blocks held.
     for block_hash, kv in before.items():
@@ -146,7 +151,7 @@ def test_a_round_trip_through_the_host_restores_identical_kv_logits_and_tokens(t
     for filler in FILLERS:
         tight.generate([filler], ONE, "ns")
     hits_before = host.num_hits  # the fillers were evicted too, and some came back
-    assert tight.engine.num_cached_prefix_tokens(PROMPT_A, "ns") == 0
+    assert gpu_cached_tokens(tight, PROMPT_A, "ns") == 0
     tokens = tight.generate([PROMPT_A], params, "ns")[0].token_ids
     assert host.num_hits - hits_before == 4
     assert tokens == roomy.generate([PROMPT_A], params, "ns")[0].token_ids
@@ -171,6 +176,40 @@ def test_no_host_hit_across_namespaces_or_for_other_text(tiny):
     llm.generate([edited_third], ONE, "acl:a")
     assert host.num_hits == 2
     llm.engine.block_manager.check_invariants()
+
+
+def test_the_cached_prefix_probe_counts_host_blocks_of_the_probes_namespace_only(tiny):
+    # rag/source_order.py orders sources by this probe: blocks the host tier holds are copied
+    # back at admission, so they are cached too, but only for the same namespace, prefix and text.
+    llm = make_llm(tiny, num_kv_blocks=12, host_kv_blocks=32)
+    engine, host = llm.engine, llm.engine.block_manager.host_tier
+    llm.generate([PROMPT_A], ONE, "acl:a")
+    for filler in FILLERS:
+        llm.generate([filler], ONE, "acl:a")
+    assert gpu_cached_tokens(llm, PROMPT_A, "acl:a") == 0, "the test must evict A from the GPU"
+
+    def counters() -> tuple[int, ...]:
+        bm = engine.block_manager
+        return (host.num_hits, host.num_swapped_in, host.num_swapped_out, bm.num_hit_tokens, bm.num_queried_tokens,
+                bm.num_cached_blocks, bm.num_free_blocks)  # fmt: skip
+
+    before = counters()
+    assert engine.num_cached_prefix_tokens(PROMPT_A, "acl:a") == 16  # all 4 full blocks, on the host
+    assert engine.num_cached_prefix_tokens(PROMPT_A, "acl:b") == 0  # another permission domain: nothing
+    assert engine.num_cached_prefix_tokens(PROMPT_A) == 0
+    assert engine.num_cached_prefix_tokens([99, *PROMPT_A[1:]], "acl:a") == 0  # other text
+    assert engine.num_cached_prefix_tokens([*PROMPT_A[:9], 99, *PROMPT_A[10:]], "acl:a") == 8  # blocks 0, 1
+    assert counters() == before, "a probe must change nothing: no restore, no count, no eviction"
+    # Blocks 0 and 1 back on the GPU (a prompt sharing them), 2 and 3 still on the host: one run.
+    llm.generate([[*PROMPT_A[:8], 98, 97]], ONE, "acl:a")
+    assert gpu_cached_tokens(llm, PROMPT_A, "acl:a") == 8
+    assert engine.num_cached_prefix_tokens(PROMPT_A, "acl:a") == 16
+    assert engine.num_cached_prefix_tokens(PROMPT_A, "acl:b") == 0
+    # What the probe promised is what admission takes from the caches.
+    hits = engine.block_manager.num_hit_tokens
+    llm.generate([PROMPT_A], ONE, "acl:a")
+    assert engine.block_manager.num_hit_tokens - hits == 16
+    engine.block_manager.check_invariants()
 
 
 def test_the_host_tier_is_bounded_and_references_balance(tiny):
@@ -296,7 +335,7 @@ def test_a_round_trip_on_cuda_through_pinned_memory_restores_identical_kv(tiny):
     for llm in (roomy, tight):
         for filler in FILLERS:
             prompt_logits(llm.engine, filler, "ns")
-    assert tight.engine.num_cached_prefix_tokens(PROMPT_A, "ns") == 0
+    assert gpu_cached_tokens(tight, PROMPT_A, "ns") == 0
     got = prompt_logits(tight.engine, PROMPT_A, "ns")
     want = prompt_logits(roomy.engine, PROMPT_A, "ns")
     assert tight.metrics().host_kv_hits == 4
