@@ -6,6 +6,11 @@ asker was shown (the prepared, post-checked sources, never anything else), every
 source's number, and a question that no sentence answers well enough gets no answer at all.
 Sentences are scored against the question by the cross-encoder, the model that reranked the
 sources, through the same batched scoring (concurrent requests share forward passes).
+
+A table (Markdown rows, as ingest/table_text.py writes parsed tables) is quoted a row at a
+time, never whole: each row is one unit, its cells labelled with the header's and led by the
+section heading ("Schedule — Date: 9 Apr 2025; Speaker: Prof. Anna Weiss; ..."), so a row says
+what its cells are both to the cross-encoder and to the reader.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 _LEADING_MARKUP = re.compile(r"^(?:[#>*\-+|]+|\d+[.)])\s+")
 _MIN_WORDS = 3  # shorter fragments ("Contents", "Notes:") answer nothing
 _HEADING_WORDS = 5  # an unpunctuated line this short is a heading ("Using the GPU nodes"), not an answer
+# A Markdown table row ("| a | b |") and the line under a header ("| --- | :---: |").
+_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
+_TABLE_SEPARATOR = re.compile(r"^\s*\|(?:\s*:?-{3,}:?\s*\|)+\s*$")
+_EMPTY_CELLS = {"", "-", "\u2013", "\u2014"}  # "-" and dashes: "nothing here" in most tables
 
 
 @dataclass(frozen=True)
@@ -74,15 +83,66 @@ def split_sentences(text: str) -> list[str]:
     return out
 
 
+def split_units(text: str, heading: str | None = None) -> list[str]:
+    """What may be quoted from a chunk, in order: its prose sentences and each table row.
+
+    Args:
+        text: the chunk's text; Markdown tables in it are read a row at a time.
+        heading: the chunk's section heading, which leads each row's quote.
+    """
+    out: list[str] = []
+    prose: list[str] = []
+    table: list[str] = []
+    for line in [*text.strip().splitlines(), ""]:  # the empty line ends a table that ends the text
+        if _TABLE_ROW.match(line):
+            if prose:
+                out += split_sentences("\n".join(prose))
+                prose = []
+            table.append(line)
+            continue
+        if table:
+            out += table_rows(table, heading)
+            table = []
+        prose.append(line)
+    return out + split_sentences("\n".join(prose))
+
+
+def table_rows(lines: Sequence[str], heading: str | None = None) -> list[str]:
+    """A Markdown table's data rows as quotable units: "Heading — Column: value; Column: value".
+
+    Cells are labelled by the header when the table has one (a separator line under its first
+    row); a chunk that starts mid-table has none, and its cells are joined by " | ". Rows with
+    fewer than two filled cells say nothing on their own and are left out.
+    """
+    has_header = len(lines) > 1 and not _TABLE_SEPARATOR.match(lines[0]) and _TABLE_SEPARATOR.match(lines[1])
+    rows = [_cells(line) for line in lines if not _TABLE_SEPARATOR.match(line)]
+    header = rows.pop(0) if has_header else None
+    out = []
+    for cells in rows:
+        filled = [(i, c) for i, c in enumerate(cells) if c not in _EMPTY_CELLS]
+        if len(filled) < 2:
+            continue
+        if header is not None:
+            body = "; ".join(f"{header[i]}: {c}" if i < len(header) and header[i] else c for i, c in filled)
+        else:
+            body = " | ".join(c for _, c in filled)
+        out.append(f"{heading} \u2014 {body}" if heading else body)
+    return out
+
+
+def _cells(line: str) -> list[str]:
+    return [" ".join(c.split()) for c in line.strip().strip("|").split("|")]
+
+
 def candidate_sentences(sources: Sequence[Hit]) -> list[Sentence]:
-    """Every distinct sentence of the sources, with the number of the first source it occurs in.
+    """Every distinct sentence (or table row) of the sources, with the number of the first source it occurs in.
 
     Overlapping chunks repeat sentences; each is scored (and quoted) once.
     """
     seen: set[str] = set()
     out = []
     for number, hit in enumerate(sources, 1):
-        for sentence in split_sentences(hit.text):
+        for sentence in split_units(hit.text, hit.heading):
             key = " ".join(sentence.casefold().split())
             if key not in seen:
                 seen.add(key)

@@ -6,6 +6,7 @@ use the real cross-encoder over the ingested sample corpus, the real HTTP API an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -20,9 +21,18 @@ from rag.answer_mode import SMALL_MODEL_PARAMETERS, parameter_count, resolve_ans
 from rag.api.app import create_app
 from rag.citations import clean_markers
 from rag.experiments.answer_metrics import cited_numbers, is_refusal
-from rag.extractive import ExtractConfig, candidate_sentences, cite, extract_answer, split_sentences
+from rag.extractive import (
+    ExtractConfig,
+    candidate_sentences,
+    cite,
+    extract_answer,
+    split_sentences,
+    split_units,
+    table_rows,
+)
 from rag.settings import Settings
 from rag.types import Hit
+from tests.rag.conftest import LAB_DOCS
 from tests.rag.live_server import serving
 
 
@@ -110,6 +120,79 @@ def test_config_is_checked():
         ExtractConfig(margin=-1)
 
 
+# -- tables: a row at a time -------------------------------------------------------------------
+
+PARTITIONS = """Partitions
+
+Every job runs in one partition.
+
+| Partition | Nodes | Max time | Notes |
+| --- | --- | --- | --- |
+| cpu | cn001-cn064 | 7 days | - |
+| gpu | gpu01-gpu08 | 48 hours | Dr. Chen approves longer jobs. |
+|  | - |  |  |
+
+Ask Research Computing for more."""
+
+
+def test_a_table_is_split_into_rows_labelled_by_its_header_and_led_by_its_heading():
+    assert split_units(PARTITIONS, "Partitions") == [
+        "Every job runs in one partition.",
+        "Partitions \u2014 Partition: cpu; Nodes: cn001-cn064; Max time: 7 days",  # "-": an empty cell
+        "Partitions \u2014 Partition: gpu; Nodes: gpu01-gpu08; Max time: 48 hours; Notes: Dr. Chen approves "
+        "longer jobs.",  # "Dr. " does not end a row
+        "Ask Research Computing for more.",
+    ]
+
+
+def test_a_chunk_that_starts_mid_table_has_no_header_to_label_with():
+    rows = ["| gpu | gpu01-gpu08 | 48 hours |", "| debug | cn063-cn064 | 30 minutes |"]
+    assert table_rows(rows) == ["gpu | gpu01-gpu08 | 48 hours", "debug | cn063-cn064 | 30 minutes"]
+
+
+def test_the_best_row_is_quoted_not_the_table():
+    hits = [dataclasses.replace(_hit(1, PARTITIONS, "Slurm partitions"), heading="Partitions")]
+    answer = extract_answer("How long may a gpu job run?", hits, keyword_scorer("gpu01", "48 hours"))
+    assert answer == ("Partitions \u2014 Partition: gpu; Nodes: gpu01-gpu08; Max time: 48 hours; Notes: Dr. Chen "
+                      "approves longer jobs [1].")
+
+
+def _parsed_table_chunk(path):
+    """A chunk as ingest writes a table section: heading, then the real parser's table as Markdown rows."""
+    from unstructured.partition.html import partition_html
+    from unstructured.partition.md import partition_md
+
+    from ingest.table_text import markdown_table
+
+    partition = partition_md if path.suffix == ".md" else partition_html
+    heading = None
+    for el in partition(filename=str(path), languages=["eng"]):
+        if el.category == "Title":
+            heading = el.text
+        elif el.category == "Table":
+            text = f"{heading}\n\n{markdown_table(el.metadata.text_as_html)}"
+            return Hit(chunk_id=1, document_key=str(path), source=path.name, chunk_index=0, text=text, score=1.0,
+                       heading=heading, title=path.stem, acl=frozenset({"public"}))
+    raise AssertionError(f"no table in {path}")
+
+
+@pytest.mark.parametrize(("document", "question", "row", "other_rows"), [
+    ("public/seminar-schedule.md", "Is there a seminar about cryo-electron tomography this spring?",
+     "Schedule \u2014 Date: 9 Apr 2025; Speaker: Prof. Anna Weiss (ETH Zurich); Title: Cryo-electron tomography "
+     "of the nuclear pore [1].", ["15 Jan 2025", "23 Apr 2025"]),
+    ("public/slurm-partitions.html", "What is the maximum run time of a job in the gpu partition?",
+     "Partitions \u2014 Partition: gpu; Nodes: gpu01-gpu08; Default time: 1 hour; Max time: 48 hours; "
+     "Default QOS: gpu-normal [1].", ["cn001-cn064", "bm01-bm02"]),
+])
+def test_the_cross_encoder_picks_the_answering_row_of_a_really_parsed_table(lab_rag, document, question, row,
+                                                                            other_rows):
+    chunk = _parsed_table_chunk(LAB_DOCS / document)
+    scorer = lab_rag.batched_reranker.batcher
+    answer = extract_answer(question, [chunk], lambda q, passages: scorer((q, passages)))
+    assert answer is not None and answer.startswith(row)
+    assert not any(other in answer for other in other_rows)  # one row (or two), never the whole table
+
+
 # -- the answer mode --------------------------------------------------------------------------
 
 
@@ -191,9 +274,18 @@ def test_it_never_quotes_or_scores_text_the_asker_may_not_read(lab_rag, scored_s
     readable = [c.text for c in answer.citations]
     assert all(any(p.split(": ", 1)[-1] in t for t in readable) for p in scored_sources["passages"])
     if not is_refusal(answer.text):
-        for sentence in re.split(r"(?<=[.!?])\s+", clean_markers(answer.text, 0)):
-            # markers removed, every quoted sentence is (up to its final mark) in a readable source
-            assert any(sentence.rstrip(".!?").strip() in t for t in readable), sentence
+        shown = scored_sources["sources"][-1]
+        quotes = re.findall(r"(.+?) \[(\d+)\][.!?](?:\s+|$)", answer.text)
+        assert quotes and clean_markers(answer.text, 0)
+        for quote, number in quotes:
+            # every quote is a sentence (or table row) of the readable source its marker names
+            source = shown[int(number) - 1]
+            assert quote in [_as_quoted(u) for u in split_units(source.text, source.heading)], quote
+
+
+def _as_quoted(unit: str) -> str:
+    """A unit as `cite` quotes it: without its final mark (the marker goes before it)."""
+    return unit[:-1].rstrip() if unit[-1:] in ".!?:;" else unit
 
 
 def test_a_question_no_readable_sentence_answers_gets_the_generators_refusal(lab_rag):
