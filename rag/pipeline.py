@@ -245,8 +245,7 @@ class Rag:
 
         return Retriever(store, embed_query, self.batched_reranker if use_rerank else None,
                          max_per_document=self.settings.max_hits_per_document or None,  # 0: no cap
-                         fuse_rerank=self.settings.fuse_rerank,
-                         near_duplicate=self.settings.near_duplicate_similarity or None)  # 0: keep repeats
+                         fuse_rerank=self.settings.fuse_rerank)
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:

@@ -75,10 +75,6 @@ class Settings(BaseSettings):
     # instead of replacing it. Defaults measured on the PostgreSQL manual set (docs/benchmarks.md).
     max_hits_per_document: int = Field(default=2, ge=0, le=100)
     fuse_rerank: bool = True
-    # A source whose word trigrams overlap a better one's of another document this much (Jaccard)
-    # is a repeat (release notes, copied boilerplate) and gives its place to the next candidate;
-    # 0 keeps repeats. Measured on the PostgreSQL manual set (docs/benchmarks.md).
-    near_duplicate_similarity: float = Field(default=0.6, ge=0.0, le=1.0)
     # Reranked sources scoring below this are dropped before generation (None keeps all).
     # The default suits ms-marco cross-encoders, whose logits for unrelated text are far below 0.
     min_rerank_score: float | None = -5.0

@@ -18,7 +18,7 @@ from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.diversity import NEAR_DUPLICATE_SIMILARITY, diversify
+from retrieval.diversity import cap_per_document
 from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Retriever:
 
     def __init__(self, store: CollectionStore, embed_query: Callable[[str], np.ndarray],
                  reranker: Reranker | None = None, max_per_document: int | None = MAX_HITS_PER_DOCUMENT,
-                 fuse_rerank: bool = FUSE_RERANK, near_duplicate: float | None = NEAR_DUPLICATE_SIMILARITY) -> None:
+                 fuse_rerank: bool = FUSE_RERANK) -> None:
         if max_per_document is not None and max_per_document < 1:
             raise ConfigError(f"max_per_document must be >= 1 or None (no cap), got {max_per_document}")
         self.store = store
@@ -62,7 +62,6 @@ class Retriever:
         self.reranker = reranker
         self.max_per_document = max_per_document
         self.fuse_rerank = fuse_rerank
-        self.near_duplicate = near_duplicate
 
     def retrieve(self, question: str, principal: Principal, k: int = 5, candidates: int = 30,
                  rerank: bool = True, mode: str = "hybrid") -> RetrievalResult:
@@ -81,9 +80,8 @@ class Retriever:
         timings: dict[str, float] = {}
         tokens = sorted(store_filter(principal))
         self.store.refresh()
-        # The cap and the repeat rule need spare candidates to fill the places they free, as the
-        # reranker does.
-        capped = (self.max_per_document is not None and self.max_per_document < k) or self.near_duplicate is not None
+        # The cap needs spare candidates to fill the places it frees, as the reranker does.
+        capped = self.max_per_document is not None and self.max_per_document < k
         fetch = max(k, candidates if ((rerank and self.reranker) or capped) else k)
 
         legs: list[list[tuple[int, float]]] = []
@@ -121,5 +119,5 @@ class Retriever:
             reranked = self.reranker.rerank(question, hits)
             hits = fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
             timings["rerank"] = time.perf_counter() - t
-        # After the post-check: the cap and the repeat rule only choose among hits the principal may read.
-        return RetrievalResult(hits=diversify(hits, k, self.max_per_document, self.near_duplicate), timings=timings)
+        # After the post-check: the cap only chooses among hits the principal may read.
+        return RetrievalResult(hits=cap_per_document(hits, k, self.max_per_document), timings=timings)

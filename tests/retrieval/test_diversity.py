@@ -1,4 +1,4 @@
-"""At most N hits per document and no repeats in the top k: the rules, and the Retriever over a real store.
+"""At most N hits per document in the top k: the cap itself, and the Retriever over a real store.
 
 The Retriever tests use the embedded collection (real SQLite catalog and vector index) with the
 hash embedder of the fuzz corpus, so a query sharing a chunk's words ranks it high.
@@ -11,7 +11,7 @@ import pytest
 from permissions.models import Principal
 from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.diversity import diversify
+from retrieval.diversity import cap_per_document
 from retrieval.records import ChunkRecord
 from retrieval.retriever import Retriever
 from tests.fuzz_corpus import hash_embed
@@ -29,46 +29,14 @@ def names(hits: list[Hit]) -> list[str]:
 
 def test_cap_keeps_order_and_fills_from_the_next_documents() -> None:
     hits = [hit("a", 0), hit("a", 1), hit("a", 2), hit("b", 0), hit("a", 3), hit("c", 0), hit("b", 1)]
-    assert names(diversify(hits, 4, 2)) == ["a0", "a1", "b0", "c0"]
-    assert names(diversify(hits, 4, 1)) == ["a0", "b0", "c0", "a1"]  # too few others: filled in order
-    assert names(diversify(hits, 4, None)) == ["a0", "a1", "a2", "b0"]
-    assert diversify(hits, 0, 2) == []
+    assert names(cap_per_document(hits, 4, 2)) == ["a0", "a1", "b0", "c0"]
+    assert names(cap_per_document(hits, 4, 1)) == ["a0", "b0", "c0", "a1"]  # too few others: filled in order
+    assert names(cap_per_document(hits, 4, None)) == ["a0", "a1", "a2", "b0"]
+    assert cap_per_document(hits, 0, 2) == []
     with pytest.raises(ValueError, match="max_per_document"):
-        diversify(hits, 4, 0)
+        cap_per_document(hits, 4, 0)
     with pytest.raises(ValueError, match="k must be"):
-        diversify(hits, -1, 2)
-
-
-def text_hit(doc: str, text: str) -> Hit:
-    return Hit(chunk_id=hash((doc, text)) & 0xFFFF, document_key=doc, source=doc, chunk_index=0, text=text, score=0.0)
-
-
-MIGRATION = "Migration to Version 15.{}\n\nA dump/restore is not required for those running 15.X."
-
-
-def test_repeats_of_a_better_hit_from_other_documents_give_way() -> None:
-    notes = [text_hit(f"release-15-{n}", MIGRATION.format(n)) for n in (18, 17, 16)]
-    guide = text_hit("pgupgrade", "pg_upgrade lets data files be upgraded to a later major version.")
-    hits = [*notes, text_hit("release-15-18", "Fix a crash in the planner."), guide]
-    assert [h.document_key for h in diversify(hits, 3, 2, 0.6)] == ["release-15-18", "release-15-18", "pgupgrade"]
-    # Too few others: repeats fill the rest, best first. Off (None): repeats stay.
-    assert [h.document_key for h in diversify(hits[:3], 3, 2, 0.6)] == [f"release-15-{n}" for n in (18, 17, 16)]
-    assert diversify(hits, 3, 2, None) == hits[:3]
-    # Chunks of one document are the cap's business, not repeats.
-    same = [text_hit("a", MIGRATION.format(1)), text_hit("a", MIGRATION.format(1) + " Also."), guide]
-    assert diversify(same, 3, 2, 0.6) == same
-    with pytest.raises(ValueError, match="near_duplicate"):
-        diversify(hits, 3, 2, 0.0)
-
-
-def test_similarity_is_of_word_trigrams() -> None:
-    from retrieval.diversity import jaccard, word_trigrams
-
-    a, b = word_trigrams("the quick brown fox jumps"), word_trigrams("The quick, brown fox sleeps")
-    assert a == {("the", "quick", "brown"), ("quick", "brown", "fox"), ("brown", "fox", "jumps")}
-    assert jaccard(a, b) == 2 / 4  # case and punctuation do not count
-    assert word_trigrams("two words") == {("two", "words")} and word_trigrams("") == frozenset()
-    assert jaccard(frozenset(), frozenset()) == 0.0
+        cap_per_document(hits, -1, 2)
 
 
 @pytest.fixture
@@ -144,27 +112,6 @@ def test_cap_applies_after_the_post_check(rerank) -> None:
         assert set(reranker.seen) == {0, 1, 2, 5, 6}  # every readable candidate scored, no forbidden one
 
 
-@pytest.mark.parametrize("mode", ["dense", "keyword", "hybrid"])
-def test_a_forbidden_document_never_decides_which_readable_hits_are_repeats(mode) -> None:
-    """The repeat rule compares post-checked hits only: a readable page that copies a forbidden one
-    is shown, and whether it is says nothing about the forbidden page."""
-    backend = Backend("faiss")
-    question = "how do I request a gpu node with sbatch gres"
-    text = f"{question} on the cluster partition gpu"
-    backend.write("secret", frozenset({"group:secret"}), [text])
-    backend.write("copy", frozenset({"public"}), [text])
-    backend.write("other", frozenset({"public"}), ["ask the helpdesk about sbatch"])
-    try:
-        retriever = Retriever(backend.reader, lambda t: hash_embed([t])[0], near_duplicate=0.6)
-        hits = retriever.retrieve(question, Principal("bob"), k=2, candidates=20, rerank=False, mode=mode).hits
-        assert hits[0].document_key == "copy" and all(h.document_key != "secret" for h in hits)
-        insider = retriever.retrieve(question, Principal("eve", frozenset({"secret"})), k=2, candidates=20,
-                                     rerank=False, mode=mode).hits
-        assert {h.document_key for h in insider} == {"secret", "other"}  # one of the twins, then another page
-    finally:
-        backend.close()
-
-
 def test_invalid_cap_is_a_config_error(store) -> None:
     reader, _ = store
     with pytest.raises(ConfigError, match="max_per_document"):
@@ -181,11 +128,10 @@ def test_the_service_settings_reach_the_retriever(tmp_path):
     (docs / "a.md").write_text("# A\n\nalpha beta gamma\n")
     for cap, fuse in ((2, True), (1, False), (0, True)):
         r = Rag(load_settings(home=tmp_path / f"home-{cap}-{fuse}", store="memory",
-                              max_hits_per_document=cap, fuse_rerank=fuse, near_duplicate_similarity=cap / 4))
+                              max_hits_per_document=cap, fuse_rerank=fuse))
         try:
             r.ingest([docs], progress=False)
             retriever = r.retriever(rerank=False)
             assert (retriever.max_per_document, retriever.fuse_rerank) == (cap or None, fuse)  # 0: no cap
-            assert retriever.near_duplicate == (cap / 4 or None)  # 0: keep repeats
         finally:
             r.close()
