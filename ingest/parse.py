@@ -14,6 +14,7 @@ from typing import Any
 
 from ingest.html_navigation import strip_navigation
 from ingest.sources import SourceItem
+from ingest.table_text import markdown_table
 from ingest.text_blocks import check_text_file, first_lines, text_blocks
 from rag.errors import ParseError
 from rag.types import Document, Element
@@ -323,7 +324,11 @@ def _to_elements(raw: list[Any], heuristic_titles: bool) -> list[Element]:
             # tagger (the offline spaCy stub) every short line looks like one. A line that
             # ends like a sentence or runs long is body text, not a heading.
             kind = "NarrativeText"
-        page = getattr(getattr(el, "metadata", None), "page_number", None)
+        metadata = getattr(el, "metadata", None)
+        if kind == "Table":
+            # Rows and the header, not every cell joined by spaces (ingest/table_text.py).
+            text = markdown_table(getattr(metadata, "text_as_html", None)) or text
+        page = getattr(metadata, "page_number", None)
         elements.append(Element(kind=kind, text=text, page=page))
     return elements
 

@@ -91,6 +91,36 @@ def test_html_navigation_and_tables_of_contents_are_not_content(tmp_path: Path) 
     assert els[0].kind == "Title"
 
 
+@pytest.mark.parametrize("suffix", [".html", ".md", ".docx"])
+def test_tables_keep_their_rows(tmp_path: Path, suffix: str) -> None:
+    # unstructured flattens a table to its cells joined by spaces; a chunk of that reads as one
+    # endless sentence to the reranker, the extractive answerer and the generator.
+    rows = [("Partition", "Max time"), ("gpu", "48 hours"), ("debug", "30 minutes")]
+    path = tmp_path / f"t{suffix}"
+    if suffix == ".html":
+        cells = "".join("<tr>" + "".join(f"<{t}>{c}</{t}>" for c in r) + "</tr>"
+                        for r, t in zip(rows, ["th", "td", "td"], strict=True))
+        path.write_text(f"<html><body><h1>Partitions</h1><table>{cells}</table></body></html>")
+    elif suffix == ".md":
+        path.write_text("# Partitions\n\n| Partition | Max time |\n|---|---|\n"
+                        "| gpu | 48 hours |\n| debug | 30 minutes |\n")
+    else:
+        import docx
+
+        d = docx.Document()
+        d.add_heading("Partitions", 1)
+        table = d.add_table(rows=3, cols=2)
+        for i, r in enumerate(rows):
+            for j, c in enumerate(r):
+                table.cell(i, j).text = c
+        d.save(path)
+    _, elements = parse_file(path)
+    (table_text,) = [e.text for e in elements if e.kind == "Table"]
+    lines = table_text.splitlines()
+    assert lines[0] == "| Partition | Max time |"
+    assert "| gpu | 48 hours |" in lines and "| debug | 30 minutes |" in lines
+
+
 def test_html_of_navigation_only_has_no_text(tmp_path: Path) -> None:
     p = tmp_path / "menu.html"
     p.write_text('<html><body><nav><a href="/a">Prev</a> <a href="/b">Next</a></nav>'
