@@ -15,8 +15,9 @@ from rag.errors import ConfigError
 
 MODES = ("dense", "keyword", "hybrid")
 STORES = ("faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector")
-INDEX_FIELDS = ("chunk_max_tokens", "chunk_overlap_tokens", "embedder", "store")
-_ALIASES = {"chunk": "chunk_max_tokens", "chunk_tokens": "chunk_max_tokens", "overlap": "chunk_overlap_tokens"}
+INDEX_FIELDS = ("chunk_max_tokens", "chunk_overlap_tokens", "chunk_title_context", "embedder", "store")
+_ALIASES = {"chunk": "chunk_max_tokens", "chunk_tokens": "chunk_max_tokens", "overlap": "chunk_overlap_tokens",
+            "title_context": "chunk_title_context"}
 _TRUE, _FALSE = {"on", "true", "yes", "1"}, {"off", "false", "no", "0"}
 
 
@@ -30,7 +31,8 @@ class Config:
         rerank: apply the cross-encoder to the candidates.
         k: hits kept (sources given to the generator).
         candidates: hits fetched before reranking (None: the `candidates` setting).
-        chunk_max_tokens, chunk_overlap_tokens, embedder, store: index settings (None: the Rag's).
+        chunk_max_tokens, chunk_overlap_tokens, chunk_title_context, embedder, store: index settings
+            (None: the Rag's).
     """
 
     name: str | None = None
@@ -40,6 +42,7 @@ class Config:
     candidates: int | None = None
     chunk_max_tokens: int | None = None
     chunk_overlap_tokens: int | None = None
+    chunk_title_context: bool | None = None
     embedder: str | None = None
     store: str | None = None
 
@@ -66,6 +69,8 @@ class Config:
             parts.append(f"candidates={self.candidates}")
         if self.chunk_max_tokens is not None or self.chunk_overlap_tokens is not None:
             parts.append(f"chunks={self.chunk_max_tokens or '-'}/{self.chunk_overlap_tokens or 0}")
+        if self.chunk_title_context is not None:
+            parts.append(f"title context {'on' if self.chunk_title_context else 'off'}")
         if self.embedder is not None:
             parts.append(f"embedder={self.embedder.rstrip('/').rpartition('/')[2]}")
         if self.store is not None:
@@ -104,10 +109,10 @@ def grid(**axes: list[Any]) -> list[Config]:
 
 
 def _value(key: str, value: str) -> Any:
-    if key == "rerank":
+    if key in ("rerank", "chunk_title_context"):
         if value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
-        raise ConfigError(f"rerank must be on or off, got {value!r}")
+        raise ConfigError(f"{key} must be on or off, got {value!r}")
     if key in ("k", "candidates", "chunk_max_tokens", "chunk_overlap_tokens"):
         try:
             return int(value)

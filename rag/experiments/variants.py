@@ -133,4 +133,6 @@ def spec_key(settings: Settings, collection: str) -> str:
     spec = {"embedder": settings.embedder, "chunk_max_tokens": settings.chunk_max_tokens,
             "chunk_overlap_tokens": settings.chunk_overlap_tokens, "store": settings.store,
             "dsn": settings.dsn if settings.store == "pgvector" else None, "collection": collection}
+    if settings.chunk_title_context:  # only when on: variants built before it existed keep their names
+        spec["chunk_title_context"] = True
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
 import pytest
@@ -83,6 +85,11 @@ def test_config_parsing_and_labels():
     assert config.label == "dense, k=10, chunks=100/16"
     assert config.index_settings() == {"chunk_max_tokens": 100, "chunk_overlap_tokens": 16}
     assert parse_config("name=baseline").label == "baseline"
+    titled = parse_config("chunk=100, title_context=on")
+    assert titled.index_settings() == {"chunk_max_tokens": 100, "chunk_title_context": True}
+    assert titled.label == "hybrid + rerank, k=5, chunks=100/0, title context on"
+    with pytest.raises(ConfigError, match="chunk_title_context must be on or off"):
+        parse_config("title_context=sometimes")
     assert [c.label for c in grid(mode=["keyword", "hybrid"], rerank=[False, True])] == [
         "keyword, k=5", "keyword + rerank, k=5", "hybrid, k=5", "hybrid + rerank, k=5"]
     with pytest.raises(ConfigError, match="dense, keyword, hybrid"):
@@ -125,3 +132,16 @@ def test_leaks_fail_closed():
         frozenset({"notes.jsonl"}), frozenset({"team/b.md"}), False)
     tess = Question("q", "anything", "tess", ("team",), sources=("team/b.md", "missing.md"))
     assert acls.truth(tess).unknown == frozenset({"missing.md"}) and acls.leaks(tess, [hit("/c/team/b.md")]) == []
+
+
+def test_title_context_makes_its_own_variant_and_off_keeps_the_old_name(tmp_path):
+    from rag.experiments.variants import spec_key
+    from rag.settings import load_settings
+
+    base = load_settings(home=tmp_path)
+    on = base.model_copy(update={"chunk_title_context": True})
+    assert spec_key(on, "default") != spec_key(base, "default")
+    # Off, the name is what it was before the setting existed, so built variants are found again.
+    before = {"embedder": base.embedder, "chunk_max_tokens": base.chunk_max_tokens, "store": base.store,
+              "chunk_overlap_tokens": base.chunk_overlap_tokens, "dsn": None, "collection": "default"}
+    assert spec_key(base, "default") == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:12]
