@@ -10,12 +10,24 @@ the same token ids:
     first_block   kv_reuse="chunks", each reused chunk's first block recomputed (MEPIC/EPIC)
     frac=F        kv_reuse="chunks", each reused chunk's leading fraction F recomputed
 
+and, through the dense slow reference (generation/reference/chunk_blend.py, not the engine):
+
+    ref full            no reuse: checks the dense reference against the engine's full prefill
+    ref first_block     the engine's first-block rule rebuilt by hand: checks the "chunks" path
+    blend k r=R         CacheBlend selection (LMCache's rule): every token is computed at layer 0;
+                        at layer 1 each reused chunk token's squared L2 distance between its fresh
+                        key and the canonical (reused) key is taken, and from layer 1 on only the
+                        top R of the prompt's reused tokens are recomputed, the rest keep reused KV
+    blend v r=R         the same on values (the CacheBlend prototype's choice)
+    blend+fb k r=R      every reused chunk's first block recomputed, plus the top R of the rest
+
 Every chunk lands after a label, so in "chunks" mode every chunk is reused at a shifted position
 (its canonical KV is `head ‖ chunk`, compiled on first use). Reported per condition and set:
 greedy agreement with full prefill (whole answer equal; mean matching-prefix length, where an
 answer that stops early counts up to its end), KL(p_full ‖
 p_cond) of the next-token distribution at the first answer token, top-1 agreement there, and
-correctness (the expected string in the answer, case-insensitive).
+correctness (the expected string in the answer, case-insensitive). Reference rows also report
+the share of token-layers after the head that are computed (full prefill = 1).
 
 Two sets: the sample questions of examples/questions.jsonl (sources: paragraphs of the readable
 relevant documents, ranked by word overlap, the one holding the expected answer included), and a
@@ -44,10 +56,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from generation.config import EngineConfig  # noqa: E402
+from generation.engine.blend_selection import DeviationSelection  # noqa: E402
+from generation.engine.chunk_reuse import ChunkRecompute  # noqa: E402
 from generation.engine.llm_engine import LLMEngine  # noqa: E402
 from generation.engine.prompt_segments import PromptSegment  # noqa: E402
 from generation.engine.sequence import SequenceStatus  # noqa: E402
 from generation.loader import resolve_model_dir  # noqa: E402
+from generation.reference.chunk_blend import CanonicalKV, RecomputeRule, blended_prefill, greedy_continue  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 SYSTEM = "Answer the question using only the numbered sources. Be brief and cite sources as [n]."
@@ -236,6 +251,32 @@ CONDITIONS: dict[str, dict] = {
     "frac=0.5": {"kv_reuse": "chunks", "chunk_recompute": "fraction", "chunk_recompute_fraction": 0.5},
 }
 
+# Conditions computed by the dense reference (see the module doc); compared with the engine's full prefill.
+REFERENCE_CONDITIONS: dict[str, RecomputeRule] = {
+    "ref full": None,
+    "ref first_block": ChunkRecompute("first_block"),
+    "blend k r=0.15": DeviationSelection(ratio=0.15),
+    "blend k r=0.3": DeviationSelection(ratio=0.3),
+    "blend k r=0.5": DeviationSelection(ratio=0.5),
+    "blend v r=0.15": DeviationSelection(ratio=0.15, deviation_of="v"),
+    "blend+fb k r=0.15": DeviationSelection(ratio=0.15, keep_first_block=True),
+}
+
+
+def reference_answer(
+    engine: LLMEngine,
+    segments: list[PromptSegment],
+    block_size: int,
+    rule: RecomputeRule,
+    canonical: CanonicalKV,
+    max_tokens: int,
+) -> tuple[list[int], torch.Tensor, float]:
+    """Greedy tokens, first-token fp32 logits and the computed share under the dense reference (engine's weights)."""
+    model = engine.model_runner.model
+    prefill = blended_prefill(model, segments, block_size, rule, canonical)
+    tokens = greedy_continue(model, prefill, max_tokens, engine.eos_token_ids)
+    return tokens, prefill.logits, prefill.computed_share()
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -249,6 +290,7 @@ def main() -> None:
         help="where the packaged SmolLM2 GGUF is converted once (default ~/.cache/labrag-bench)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the per-question rows here")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these conditions (full always runs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None, args.cache_dir)
@@ -256,11 +298,14 @@ def main() -> None:
     if args.limit:
         sets = {k: v[: args.limit] for k, v in sets.items()}
     started = time.monotonic()
+    engine_conditions = {k: v for k, v in CONDITIONS.items() if k == "full" or args.only is None or k in args.only}
+    reference_conditions = {k: v for k, v in REFERENCE_CONDITIONS.items() if args.only is None or k in args.only}
     engines = {
         name: LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", block_size=args.block_size,
                                                  num_kv_blocks=768, max_model_len=2048, **kw))
-        for name, kw in CONDITIONS.items()
+        for name, kw in engine_conditions.items()
     }  # fmt: skip
+    canonical = CanonicalKV(engines["full"].model_runner.model)
     layout = Layout(engines["full"].tokenizer, args.block_size)
     rows = []
     for set_name, items in sets.items():
@@ -268,20 +313,30 @@ def main() -> None:
             segments = layout.segments(item, user=f"u{i % 3}")
             ref_tokens, ref_logits = greedy_with_first_logits(engines["full"], segments, args.max_tokens)
             tokenizer = engines["full"].tokenizer
-            for name, engine in engines.items():
-                tokens, logits = (
-                    (ref_tokens, ref_logits) if name == "full"
-                    else greedy_with_first_logits(engine, segments, args.max_tokens)
-                )  # fmt: skip
+            runs = [(name, engine, None) for name, engine in engines.items()]
+            runs += [(name, None, rule) for name, rule in reference_conditions.items()]
+            for name, engine, rule in runs:
+                share = None
+                if name == "full":
+                    tokens, logits = ref_tokens, ref_logits
+                elif engine is not None:
+                    tokens, logits = greedy_with_first_logits(engine, segments, args.max_tokens)
+                else:
+                    tokens, logits, share = reference_answer(
+                        engines["full"], segments, args.block_size, rule, canonical, args.max_tokens
+                    )
                 answer = tokenizer.decode(tokens, skip_special_tokens=True)
                 rows.append({
                     "set": set_name, "question": item.question, "condition": name,
                     "prompt_tokens": sum(len(s.token_ids) for s in segments),
                     "same": tokens == ref_tokens, "prefix": matching_prefix(tokens, ref_tokens),
                     "kl": kl(ref_logits, logits), "top1": int(logits.argmax()) == int(ref_logits.argmax()),
+                    "computed": share, "logits": logits,
                     "correct": item.expect is not None and item.expect.lower() in answer.lower(),
                     "answer": answer,
                 })  # fmt: skip
+            progress = f"{set_name} {i + 1}/{len(items)} done at {time.monotonic() - started:.0f} s"
+            print(progress, file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
     cpu = platform.processor() or platform.machine()
     print(f"# Chunk KV reuse quality: SmolLM2 ({model_dir.name}), CPU fp32, {cpu}, {datetime.date.today()}, "
@@ -291,17 +346,21 @@ def main() -> None:
         prompt = sum(r["prompt_tokens"] for r in rows if r["set"] == set_name and r["condition"] == "full") / max(n, 1)
         print(f"\n{set_name}: {n} questions, mean prompt {prompt:.0f} tokens")
         print("| condition | greedy = full | mean matching prefix | mean KL first token | max KL | top-1 = full "
-              "| correct |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
-        for name in CONDITIONS:
+              "| correct | computed |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for name in [*engine_conditions, *reference_conditions]:
             rs = [r for r in rows if r["set"] == set_name and r["condition"] == name]
             if not rs:
                 continue
             mean_kl = sum(r["kl"] for r in rs) / len(rs)
+            shares = [r["computed"] for r in rs if r["computed"] is not None]
+            computed = f"{sum(shares) / len(shares):.2f}" if shares else "-"
             print(f"| {name} | {sum(r['same'] for r in rs)}/{len(rs)} | {sum(r['prefix'] for r in rs) / len(rs):.1f}"
                   f" / {args.max_tokens} | {mean_kl:.2e} | {max(r['kl'] for r in rs):.2e} | "
-                  f"{sum(r['top1'] for r in rs)}/{len(rs)} | {sum(r['correct'] for r in rs)}/{len(rs)} |")  # fmt: skip
-    for name in CONDITIONS:
+                  f"{sum(r['top1'] for r in rs)}/{len(rs)} | {sum(r['correct'] for r in rs)}/{len(rs)} "
+                  f"| {computed} |")  # fmt: skip
+        _print_checks(rows, set_name)
+    for name in engine_conditions:
         engine = engines[name]
         m = engine.get_metrics()
         print(f"\n{name}: computed prompt tokens {m.prompt_computed_tokens}, prefix hits {m.prefix_cache_hit_tokens}, "
@@ -309,7 +368,22 @@ def main() -> None:
               end="")  # fmt: skip
     print()
     if args.json:
-        args.json.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        args.json.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "logits"}) for r in rows) + "\n")
+
+
+def _print_checks(rows: list[dict], set_name: str) -> None:
+    """How far each engine path is from its dense reference: the max |logit difference| at the first token."""
+    pairs = [("full", "ref full"), ("first_block", "ref first_block")]
+    by = {(r["question"], r["condition"]): r for r in rows if r["set"] == set_name}
+    for engine_name, ref_name in pairs:
+        diffs = [
+            float((by[(q, engine_name)]["logits"] - r["logits"]).abs().max())
+            for (q, name), r in by.items()
+            if name == ref_name and (q, engine_name) in by
+        ]
+        if diffs:
+            print(f"check: engine {engine_name} vs {ref_name}: max |logit diff| at the first token {max(diffs):.1e} "
+                  f"over {len(diffs)} questions")  # fmt: skip
 
 
 if __name__ == "__main__":
