@@ -46,12 +46,19 @@ class ExtractConfig:
             answering sentence above it; -2.5 (relevance ~0.08) was chosen on the sample
             questions: their answering sentences score above -2, and the best sentences of
             questions that must be refused below -3.3.
+        source_floor: the logit a whole source must reach to be quoted when none of its
+            sentences reaches `floor` alone: an answer spread over sentences (a procedure, a
+            definition and its value) is judged as a whole, so the source's best sentences
+            are quoted. On the sample questions, sources of two such answers score 0.2 and
+            1.2 while no sentence does above -4, and the best source of a question that must
+            be refused scores at most -3.9.
         max_sentences: sentences quoted at most.
         margin: a further sentence is quoted only if it scores within `margin` of the best
             (a second, clearly weaker sentence adds noise, not support).
     """
 
     floor: float = -2.5
+    source_floor: float = -2.5
     max_sentences: int = 2
     margin: float = 3.0
 
@@ -162,15 +169,19 @@ def scoring_text(sentence: Sentence, sources: Sequence[Hit]) -> str:
 
 
 def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
-                   config: ExtractConfig = ExtractConfig()) -> str | None:
-    """The answer quoted from `sources`, or None when no sentence reaches the floor.
+                   config: ExtractConfig = ExtractConfig(),
+                   source_scores: Sequence[float] | None = None) -> str | None:
+    """The answer quoted from `sources`, or None when neither a sentence nor a source reaches its floor.
 
     Args:
         question: what was asked.
         sources: the sources shown with the answer, in citation order ([1] is sources[0]).
             Only these are read: pass the prepared, permission-checked sources.
         score: cross-encoder logits for (question, passages), batched.
-        config: floor, number of sentences, margin.
+        config: floors, number of sentences, margin.
+        source_scores: the cross-encoder's logits of the sources themselves (question, hit
+            text), when the reranker has scored them; None scores them here, in the same
+            batch as the sentences.
 
     Returns:
         Sentences best first, each followed by its marker ("... -65 C [2]."), or None.
@@ -178,14 +189,35 @@ def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
     candidates = candidate_sentences(sources)
     if not candidates:
         return None
-    logits = score(question, [scoring_text(s, sources) for s in candidates])
-    scored = sorted((Sentence(s.text, s.number, v) for s, v in zip(candidates, logits, strict=True)),
+    passages = [scoring_text(s, sources) for s in candidates]
+    logits = score(question, passages + ([h.text for h in sources] if source_scores is None else []))
+    if source_scores is None:
+        source_scores = logits[len(candidates):]
+    assert len(source_scores) == len(sources), "one score per source"
+    scored = sorted((Sentence(s.text, s.number, v) for s, v in zip(candidates, logits[: len(candidates)], strict=True)),
                     key=lambda s: -s.score)  # stable: ties keep source order
-    best = scored[0].score
-    if best < config.floor:
-        return None
-    chosen = [s for s in scored[: config.max_sentences] if s.score >= max(config.floor, best - config.margin)]
+    if scored[0].score >= config.floor:
+        threshold = max(config.floor, scored[0].score - config.margin)
+    else:
+        scored = _sentences_of_best_source(scored, sources, source_scores, config.source_floor)
+        if not scored:
+            return None
+        # The source answered as a whole: its sentences are all below `floor`, and compete only with each other.
+        threshold = scored[0].score - config.margin
+    chosen = [s for s in scored[: config.max_sentences] if s.score >= threshold]
     return " ".join(cite(s.text, s.number) for s in chosen)
+
+
+def _sentences_of_best_source(scored: list[Sentence], sources: Sequence[Hit], source_scores: Sequence[float],
+                              source_floor: float) -> list[Sentence]:
+    """The scored sentences of the best source, best first, if that source reaches `source_floor`; else []."""
+    best = max(range(len(sources)), key=lambda i: (source_scores[i], -i))  # ties: the earlier source
+    if source_scores[best] < source_floor:
+        return []
+    hit = sources[best]
+    units = {" ".join(u.casefold().split()) for u in split_units(hit.text, hit.heading)}
+    # A sentence is numbered by the first source it occurs in; one also in the best source is its.
+    return [Sentence(s.text, best + 1, s.score) for s in scored if " ".join(s.text.casefold().split()) in units]
 
 
 def cite(sentence: str, number: int) -> str:

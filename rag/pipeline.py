@@ -420,8 +420,11 @@ class Rag:
         answer.citations = citations_for(sources, ranked, reranked)
         t = time.perf_counter()
         # A follow-up ("and how do I book it?") is scored with the turn before it, as it was searched.
+        # Reranked hits carry the cross-encoder's logit of the whole source (the source floor
+        # reads it); unreranked ones are scored with the sentences, in one batch.
         text = extract_answer(retrieval_query or answer.question, sources,
-                              lambda query, passages: scorer.batcher((query, passages)))
+                              lambda query, passages: scorer.batcher((query, passages)),
+                              source_scores=[h.score for h in sources] if reranked else None)
         timings["extract"] = time.perf_counter() - t
         answer.text = text or NO_ANSWER
         return PreparedAnswer(answer, None, started)

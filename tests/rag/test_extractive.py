@@ -74,7 +74,8 @@ def test_below_the_floor_there_is_no_answer():
 
 def test_a_weaker_second_sentence_is_left_out():
     scores = iter([[9.0, 1.0, 8.5, 0.0]])
-    answer = extract_answer("q", SOURCES, lambda q, p: next(scores), ExtractConfig(max_sentences=3, margin=2.0))
+    answer = extract_answer("q", SOURCES, lambda q, p: next(scores), ExtractConfig(max_sentences=3, margin=2.0),
+                            source_scores=[9.0, 8.5])  # the reranker's: only sentences are scored
     assert answer == "The lab has two freezers [1]. The -80 alarm is set to -65 C [2]."
 
 
@@ -111,6 +112,57 @@ def test_every_marker_points_at_a_shown_source_that_holds_the_quoted_sentence(qu
     assert numbers and all(1 <= n <= len(SOURCES) for n in numbers)
     for sentence, n in re.findall(r"(.+?) \[(\d+)\][.!?]\s*", answer):
         assert sentence.strip() in SOURCES[int(n) - 1].text
+
+
+# A procedure whose steps each say too little alone: no sentence reaches the floor, the source does.
+STEPS = [_hit(1, "Ask the facility for a guest account. The endpoint is niqb-dtn. Share the folder from there.",
+              "Sharing data"),
+         _hit(2, "The microscope is booked in slots of four hours.", "Booking")]
+
+
+def _scores_by_passage(table: dict[str, float]):
+    """A stand-in cross-encoder: a fixed logit per passage (-9 for any other), and the passages it saw."""
+    seen: list[list[str]] = []
+
+    def score(question, passages):
+        seen.append(list(passages))
+        return [table.get(p, -9.0) for p in passages]
+
+    return score, seen
+
+
+def test_a_source_above_its_floor_is_quoted_when_no_sentence_is_alone():
+    score, seen = _scores_by_passage({"Sharing data: The endpoint is niqb-dtn.": -4.0,
+                                      "Sharing data: Share the folder from there.": -5.0,
+                                      "Sharing data: Ask the facility for a guest account.": -8.0,
+                                      STEPS[0].text: 0.5})
+    answer = extract_answer("How do I share maps?", STEPS, score)
+    # the source's best two sentences, best first, within the margin of each other
+    assert answer == "The endpoint is niqb-dtn [1]. Share the folder from there [1]."
+    assert len(seen) == 1 and STEPS[0].text in seen[0] and STEPS[1].text in seen[0]  # one batch, sources in it
+
+
+def test_a_source_below_its_floor_still_gets_no_answer():
+    score, _ = _scores_by_passage({"Sharing data: The endpoint is niqb-dtn.": -4.0, STEPS[0].text: -3.9})
+    assert extract_answer("How do I share maps?", STEPS, score) is None
+
+
+def test_the_rerankers_source_scores_are_used_as_given():
+    score, seen = _scores_by_passage({"Sharing data: The endpoint is niqb-dtn.": -4.0})
+    assert extract_answer("q", STEPS, score, source_scores=[1.0, -9.0]) == "The endpoint is niqb-dtn [1]."
+    # the best source is the one quoted from, whatever sentence scores best elsewhere
+    assert extract_answer("q", STEPS, score, source_scores=[-9.0, 1.0]) == (
+        "The microscope is booked in slots of four hours [2].")
+    assert extract_answer("q", STEPS, score, source_scores=[-3.0, -4.0]) is None
+    assert all(s.text not in batch for batch in seen for s in STEPS)  # the sources are not scored again
+
+
+def test_a_sentence_quoted_for_its_source_cites_that_source():
+    # The sentence occurs first in source 1, but it is source 2 that answers as a whole.
+    shared = "The endpoint is niqb-dtn."
+    hits = [_hit(1, f"Old notes. {shared}"), _hit(2, f"Sharing maps with guests. {shared} Use a guest account.")]
+    score, _ = _scores_by_passage({shared: -4.0, hits[1].text: 2.0})
+    assert extract_answer("q", hits, score).startswith("The endpoint is niqb-dtn [2].")
 
 
 def test_config_is_checked():
@@ -232,14 +284,14 @@ def scored_sources(lab_rag, monkeypatch):
     seen: dict[str, list] = {"sources": [], "passages": []}
     real = rag.pipeline.extract_answer
 
-    def spy(question, sources, score, *args):
+    def spy(question, sources, score, *args, **kwargs):
         seen["sources"].append(list(sources))
 
         def scored(query, passages):
             seen["passages"].extend(passages)
             return score(query, passages)
 
-        return real(question, sources, scored, *args)
+        return real(question, sources, scored, *args, **kwargs)
 
     monkeypatch.setattr(rag.pipeline, "extract_answer", spy)
     return seen
@@ -271,8 +323,13 @@ def test_it_never_quotes_or_scores_text_the_asker_may_not_read(lab_rag, scored_s
     assert secret not in answer.text
     for sources in scored_sources["sources"]:
         assert all(principal.can_read(h.acl) for h in sources)
-    readable = [c.text for c in answer.citations]
-    assert all(any(p.split(": ", 1)[-1] in t for t in readable) for p in scored_sources["passages"])
+    # Every passage scored is a readable source shown, or a sentence (table row) of one as scored.
+    scorable = set()
+    for sources in scored_sources["sources"]:
+        for hit in sources:
+            title = hit.title or hit.heading
+            scorable |= {hit.text} | {f"{title}: {u}" if title else u for u in split_units(hit.text, hit.heading)}
+    assert set(scored_sources["passages"]) <= scorable
     if not is_refusal(answer.text):
         shown = scored_sources["sources"][-1]
         quotes = re.findall(r"(.+?) \[(\d+)\][.!?](?:\s+|$)", answer.text)
