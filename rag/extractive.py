@@ -30,6 +30,9 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 _LEADING_MARKUP = re.compile(r"^(?:[#>*\-+|]+|\d+[.)])\s+")
 _MIN_WORDS = 3  # shorter fragments ("Contents", "Notes:") answer nothing
 _HEADING_WORDS = 5  # an unpunctuated line this short is a heading ("Using the GPU nodes"), not an answer
+_MAX_SENTENCE_WORDS = 60  # longer is flattened layout, not a sentence: quoted by windows of
+_WINDOW_WORDS = 24  # words, overlapping by half
+_FLAT_TABLE_PIPES = 6  # cell separators that make a shorter run a flattened table too (a row or more)
 # A Markdown table row ("| a | b |") and the line under a header ("| --- | :---: |").
 _TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
 _TABLE_SEPARATOR = re.compile(r"^\s*\|(?:\s*:?-{3,}:?\s*\|)+\s*$")
@@ -85,9 +88,25 @@ def split_sentences(text: str) -> list[str]:
         sentence = _LEADING_MARKUP.sub("", piece.strip()).strip()
         words = len(sentence.split())
         heading = words <= _HEADING_WORDS and sentence[-1:] not in ".!?:;)"
-        if words >= _MIN_WORDS and not heading:
+        if words > _MAX_SENTENCE_WORDS or (words > _WINDOW_WORDS and sentence.count(" | ") >= _FLAT_TABLE_PIPES):
+            out += _windows(sentence.split())
+        elif words >= _MIN_WORDS and not heading:
             out.append(sentence)
     return out
+
+
+def _windows(words: list[str]) -> list[str]:
+    """An overlong "sentence" as overlapping word windows, each marked "…" where it was cut.
+
+    Past _MAX_SENTENCE_WORDS a run of text is not a sentence but flattened layout: a table of
+    a text file or PDF whose line breaks the parser joined ("gpu04 | R12/U15 | ... gpu05 | ..."),
+    as is a shorter run with a row's worth of " | " separators in it.
+    Quoting it whole buries the answer; a window around the answer's cells says it.
+    """
+    size, step = _WINDOW_WORDS, _WINDOW_WORDS // 2
+    starts = range(0, max(len(words) - step, 1), step)
+    return [("\u2026" if i else "") + " ".join(words[i : i + size]) + ("\u2026" if i + size < len(words) else "")
+            for i in starts]
 
 
 def split_units(text: str, heading: str | None = None) -> list[str]:

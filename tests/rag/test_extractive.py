@@ -245,6 +245,32 @@ def test_the_cross_encoder_picks_the_answering_row_of_a_really_parsed_table(lab_
     assert not any(other in answer for other in other_rows)  # one row (or two), never the whole table
 
 
+def test_a_flattened_text_table_is_quoted_by_a_window_around_the_answer_not_whole(lab_rag):
+    # A text file's pipe table: the real parser joins its lines into one 109-word "sentence".
+    from ingest.parse import parse_file
+
+    title, elements = parse_file(LAB_DOCS / "hpc-admins" / "node-inventory.txt")
+    gpu = next(e.text for e in elements if e.text.startswith("--- GPU nodes"))
+    assert len(gpu.split()) > 100 and "\n" not in gpu
+    chunk = Hit(chunk_id=1, document_key="node-inventory.txt", source="node-inventory.txt", chunk_index=0,
+                text=f"{title}\n\n{gpu}", score=1.0, title=title, acl=frozenset({"group:hpc-admins"}))
+    scorer = lab_rag.batched_reranker.batcher
+    answer = extract_answer("What is the serial number of gpu05?", [chunk], lambda q, passages: scorer((q, passages)))
+    assert answer is not None and "SN-HX-10458" in answer
+    quotes = re.findall(r"(.+?) \[1\][.]", answer)
+    assert quotes and all(len(q.split()) <= 26 for q in quotes)  # a window (and "…" marks), not the table
+    assert all(q.strip() in [_as_quoted(u) for u in split_units(chunk.text)] for q in quotes)
+
+
+def test_overlong_runs_are_cut_into_overlapping_windows_that_cover_them():
+    words = [f"w{i}" for i in range(61)]
+    units = split_sentences(" ".join(words))
+    assert len(units) == 5 and units[0].endswith("\u2026") and units[-1].startswith("\u2026w48")
+    covered = {w for u in units for w in u.strip("\u2026").split()}
+    assert covered == set(words)
+    assert split_sentences(" ".join(words[:60]) + ".") == [" ".join(words[:60]) + "."]  # 60 words: a sentence
+
+
 # -- the answer mode --------------------------------------------------------------------------
 
 
