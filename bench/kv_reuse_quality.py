@@ -59,10 +59,17 @@ from generation.config import EngineConfig  # noqa: E402
 from generation.engine.blend_selection import DeviationSelection  # noqa: E402
 from generation.engine.chunk_reuse import ChunkRecompute  # noqa: E402
 from generation.engine.llm_engine import LLMEngine  # noqa: E402
-from generation.engine.prompt_segments import PromptSegment  # noqa: E402
+from generation.engine.prompt_segments import PromptSegment, prompt_token_ids  # noqa: E402
 from generation.engine.sequence import SequenceStatus  # noqa: E402
 from generation.loader import resolve_model_dir  # noqa: E402
-from generation.reference.chunk_blend import CanonicalKV, RecomputeRule, blended_prefill, greedy_continue  # noqa: E402
+from generation.reference.chunk_blend import (  # noqa: E402
+    CanonicalKV,
+    RecomputeRule,
+    blended_prefill,
+    dense_layers,
+    greedy_continue,
+    reusable_ranges,
+)
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 SYSTEM = "Answer the question using only the numbered sources. Be brief and cite sources as [n]."
@@ -289,14 +296,21 @@ def main() -> None:
         "--cache-dir", type=Path, default=Path.home() / ".cache" / "labrag-bench",
         help="where the packaged SmolLM2 GGUF is converted once (default ~/.cache/labrag-bench)",
     )  # fmt: skip
-    parser.add_argument("--json", type=Path, default=None, help="also write the per-question rows here")
+    parser.add_argument("--json", type=Path, default=None, help="also append the per-question rows here")
     parser.add_argument("--only", nargs="*", default=None, help="run only these conditions (full always runs)")
+    parser.add_argument(
+        "--deviation-profile", action="store_true",
+        help="instead of the conditions: how concentrated the reused KV's deviation from full prefill is",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None, args.cache_dir)
     sets = {"sample": sample_items(args.sources), "multi-source": synthetic_items(args.sources)}
     if args.limit:
         sets = {k: v[: args.limit] for k, v in sets.items()}
+    if args.deviation_profile:
+        deviation_profile(model_dir, sets, args.block_size)
+        return
     started = time.monotonic()
     engine_conditions = {k: v for k, v in CONDITIONS.items() if k == "full" or args.only is None or k in args.only}
     reference_conditions = {k: v for k, v in REFERENCE_CONDITIONS.items() if args.only is None or k in args.only}
@@ -327,7 +341,7 @@ def main() -> None:
                     )
                 answer = tokenizer.decode(tokens, skip_special_tokens=True)
                 rows.append({
-                    "set": set_name, "question": item.question, "condition": name,
+                    "set": set_name, "item": i, "question": item.question, "condition": name,
                     "prompt_tokens": sum(len(s.token_ids) for s in segments),
                     "same": tokens == ref_tokens, "prefix": matching_prefix(tokens, ref_tokens),
                     "kl": kl(ref_logits, logits), "top1": int(logits.argmax()) == int(ref_logits.argmax()),
@@ -335,6 +349,10 @@ def main() -> None:
                     "correct": item.expect is not None and item.expect.lower() in answer.lower(),
                     "answer": answer,
                 })  # fmt: skip
+            if args.json:  # per question, so that a long run interrupted keeps what it measured
+                with args.json.open("a") as out:
+                    for r in rows[-len(runs) :]:
+                        out.write(json.dumps({k: v for k, v in r.items() if k != "logits"}) + "\n")
             progress = f"{set_name} {i + 1}/{len(items)} done at {time.monotonic() - started:.0f} s"
             print(progress, file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
@@ -367,19 +385,74 @@ def main() -> None:
               f"chunk-reused {m.chunk_reused_tokens}, chunk hits/misses {m.chunk_cache_hits}/{m.chunk_cache_misses}",
               end="")  # fmt: skip
     print()
-    if args.json:
-        args.json.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "logits"}) for r in rows) + "\n")
+
+
+def deviation_profile(model_dir: Path, sets: dict[str, list[Item]], block_size: int, ratio: float = 0.15) -> None:
+    """CacheBlend's premise on this model: is the reused KV's deviation concentrated, and does layer 1 find it?
+
+    Per prompt, every reused chunk token's squared L2 distance between its canonical key (the
+    chunk compiled after the head) and its full-prefill key, per layer, with nothing recomputed.
+    Reported, averaged over the prompts: the share of the total deviation that the top `ratio`
+    of the tokens hold (at layer 1, and summed over all layers); how many of layer 1's top tokens
+    are among the all-layer top ones (what a layer-1 check can find); how many of the all-layer
+    top tokens sit in a chunk's first block (what first-block recompute covers), beside the first
+    blocks' share of the reused tokens; and the key's relative deviation at the first and last layers.
+    """
+    config = EngineConfig(device="cpu", dtype="float32", block_size=block_size, num_kv_blocks=256,
+                          max_model_len=2048, enable_prefix_caching=False)  # fmt: skip
+    engine = LLMEngine(model_dir, config)
+    layout = Layout(engine.tokenizer, block_size)
+    canonical = CanonicalKV(engine.model_runner.model)
+    print(f"# Reused-key deviation profile: SmolLM2 ({model_dir.name}), CPU fp32, {datetime.date.today()}, "
+          f"top {ratio:.0%}")  # fmt: skip
+    print("| set | prompts | reused tokens | top share L1 | top share all layers | L1 top in all-layer top "
+          "| all-layer top in first blocks (first blocks' share) | rel. deviation L1 / last |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for set_name, items in sets.items():
+        stats = [
+            _deviation_stats(canonical, layout.segments(item, user=f"u{i % 3}"), block_size, ratio)
+            for i, item in enumerate(items)
+        ]
+        m = [sum(col) / len(stats) for col in zip(*stats, strict=True)]
+        print(f"| {set_name} | {len(stats)} | {m[0]:.0f} | {m[1]:.2f} | {m[2]:.2f} | {m[3]:.2f} | "
+              f"{m[4]:.2f} ({m[5]:.2f}) | {m[6]:.3f} / {m[7]:.3f} |")  # fmt: skip
+
+
+@torch.no_grad()
+def _deviation_stats(
+    canonical: CanonicalKV, segments: list[PromptSegment], block_size: int, ratio: float
+) -> tuple[float, ...]:
+    """One prompt's row of deviation_profile (see there)."""
+    _, full = dense_layers(canonical.model, prompt_token_ids(segments), with_logits=False)
+    ranges = reusable_ranges(segments, block_size)
+    positions = torch.tensor([p for _, start, end in ranges for p in range(start, end)])
+    first = torch.tensor([p - start < block_size for _, start, end in ranges for p in range(start, end)])
+    per_layer = []
+    for layer, (k, _) in enumerate(full):
+        reused = torch.cat(
+            [canonical.rows(segments[0], segments[j])[layer][0][: end - start] for j, start, end in ranges]
+        )
+        per_layer.append((k[positions] - reused).pow(2).sum((-2, -1)))
+    dev = torch.stack(per_layer)  # [layers, reused tokens]
+    n = max(1, int(ratio * dev.shape[1]))
+    top1, top_all = dev[1].topk(n).indices, dev.sum(0).topk(n).indices
+    share_1 = float(dev[1].topk(n).values.sum() / dev[1].sum())
+    share_all = float(dev.sum(0).topk(n).values.sum() / dev.sum())
+    found = len(set(top1.tolist()) & set(top_all.tolist())) / n
+    rel = [float(dev[i].sum().sqrt() / full[i][0][positions].pow(2).sum().sqrt()) for i in (1, len(full) - 1)]
+    return (dev.shape[1], share_1, share_all, found, float(first[top_all].float().mean()),
+            float(first.float().mean()), *rel)  # fmt: skip
 
 
 def _print_checks(rows: list[dict], set_name: str) -> None:
     """How far each engine path is from its dense reference: the max |logit difference| at the first token."""
     pairs = [("full", "ref full"), ("first_block", "ref first_block")]
-    by = {(r["question"], r["condition"]): r for r in rows if r["set"] == set_name}
+    by = {(r["item"], r["condition"]): r for r in rows if r["set"] == set_name}
     for engine_name, ref_name in pairs:
         diffs = [
-            float((by[(q, engine_name)]["logits"] - r["logits"]).abs().max())
-            for (q, name), r in by.items()
-            if name == ref_name and (q, engine_name) in by
+            float((by[(i, engine_name)]["logits"] - r["logits"]).abs().max())
+            for (i, name), r in by.items()
+            if name == ref_name and (i, engine_name) in by
         ]
         if diffs:
             print(f"check: engine {engine_name} vs {ref_name}: max |logit diff| at the first token {max(diffs):.1e} "
