@@ -316,9 +316,11 @@ class Rag:
         raise AssertionError("answer_events ended without AnswerDone")
 
     def stream(self, question: str, principal: Principal, collection: str | None = None,
-               k: int | None = None, mode: str | None = None) -> tuple[Answer, Iterator[str]]:
+               k: int | None = None, mode: str | None = None,
+               candidates: int | None = None) -> tuple[Answer, Iterator[str]]:
         """Retrieval now, then an iterator of answer text pieces (generation is lazy)."""
-        prepared = self._loop.run(self.aprepare(question, principal, collection, k, True, None, mode))
+        prepared = self._loop.run(self.aprepare(question, principal, collection, k, True, None, mode,
+                                                candidates=candidates))
 
         def pieces() -> Iterator[str]:
             for event in self._loop.iterate(self.answer_events(prepared)):

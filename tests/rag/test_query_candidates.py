@@ -40,6 +40,11 @@ def test_candidates_sets_how_many_hits_the_reranker_scores(lab_rag, reranked_siz
     assert reranked_sizes == [3, 12, lab_rag.settings.candidates]
 
 
+def test_a_stream_takes_candidates_too(lab_rag, reranked_sizes):
+    answer, pieces = lab_rag.stream(GPU, lab_rag.principal("carol"), k=2, candidates=5)
+    assert "".join(pieces) and len(answer.hits) == 2 and reranked_sizes == [5]
+
+
 def test_at_least_k_candidates_are_fetched(lab_rag, reranked_sizes):
     answer = lab_rag.query(GPU, lab_rag.principal("carol"), k=4, generate=False, candidates=1)
     assert len(answer.hits) == 4 and reranked_sizes == [4]
