@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     # Head each section's chunks with "page title › section heading" rather than the heading
     # alone ("CREATE INDEX › Examples", not "Examples"). Changing it re-chunks and re-embeds a
     # collection on its next ingest (a new version, built beside the live one).
-    chunk_title_context: bool = False
+    chunk_title_context: bool = True
     # Chunks per embed call of `rag ingest`, each committed when it returns (a killed run redoes
     # at most one). None: 256 on a CPU (~8 s of work), 4096 on a GPU, where small calls leave it
     # idle (bench/ingest_gpu.py).

@@ -101,7 +101,7 @@ def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_pat
     fresh = _rag(tmp_path / "fresh", embedder, **NEW)
     fresh.ingest([corpus])
     assert hits and {h.text for h in hits} <= _texts(fresh)
-    assert reader.collection().info.chunking == {"max_tokens": 48, "overlap_tokens": 8}
+    assert reader.collection().info.chunking == {"max_tokens": 48, "overlap_tokens": 8, "title_context": True}
     assert _collections(home) == [("default", 2)]
     _same_rows(reader.catalog.dump("default"), fresh.catalog.dump("default"))
     with sqlite3.connect(home / "catalog.sqlite") as db:
@@ -115,15 +115,18 @@ def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_pat
     assert again.build is None and again.unchanged == 8 and again.chunks_written == 0
 
 
-def test_turning_title_context_on_rebuilds_and_only_then(tmp_path, embedder):
+def test_title_context_on_by_default_rebuilds_a_collection_built_without_it(tmp_path, embedder):
     corpus = _corpus(tmp_path / "corpus")
     for i in range(2):  # a section under the page's title: the context it gains is the title
         (corpus / "a" / f"doc{i}.md").write_text(f"# Doc a{i}\n\nIntro.\n\n## Storage\n\nPlates of a{i}: S-{i}.\n")
     home = tmp_path / "home"
-    assert _rag(home, embedder).ingest([corpus]).added == 8
-    assert _rag(home, embedder, chunk_title_context=False).ingest([corpus]).build is None  # off = as before
+    # Off: chunked, and recorded, as collections were before the setting existed.
+    plain = _rag(home, embedder, chunk_title_context=False)
+    assert plain.ingest([corpus]).added == 8
+    assert plain.collection().info.chunking == {"max_tokens": 200, "overlap_tokens": 32}
+    assert plain.ingest([corpus]).build is None
 
-    titled = _rag(home, embedder, chunk_title_context=True)
+    titled = _rag(home, embedder)  # on: the default
     report = titled.ingest([corpus])
     assert report.ok and report.build is not None and report.build.switched and report.updated == 8
     assert titled.collection().info.chunking == {"max_tokens": 200, "overlap_tokens": 32, "title_context": True}
