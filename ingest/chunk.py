@@ -228,28 +228,41 @@ class Chunker:
     def _best_cut(self, text: str, offsets: list[tuple[int, int]], start: int, end: int) -> int:
         """Token index in (start, end] to cut before.
 
-        The latest sentence end in the window's second half, else the latest word end
-        anywhere in it (a short window beats a broken word), else `end` (one long "word").
+        The latest line break in the window's second half (a table's rows are lines: a cut at
+        "Prof." would split a row), else the latest sentence end there, else the latest word
+        end anywhere in it (a short window beats a broken word), else `end` (one long "word").
         """
         floor = start + max(1, (end - start) // 2)
-        word_cut = None
+        word_cut = sentence_cut = None
         for i in range(end, start, -1):
             gap = text[offsets[i - 1][1]:offsets[i][0]]
             if not any(c.isspace() for c in gap):
                 continue  # inside a word: its pieces, or punctuation glued to it, touch
-            if i >= floor and (text[offsets[i - 1][1] - 1] in _SENTENCE_END or "\n" in gap):
+            if i >= floor and "\n" in gap:
                 return i
+            if i >= floor and sentence_cut is None and text[offsets[i - 1][1] - 1] in _SENTENCE_END:
+                sentence_cut = i
             if word_cut is None:
                 word_cut = i
-                if i < floor:
-                    break  # no sentence end can come below the floor
+            if i < floor:
+                break  # no line break or sentence end can come below the floor
+        if sentence_cut is not None:
+            return sentence_cut
         return word_cut if word_cut is not None else end
 
     def _next_start(self, text: str, offsets: list[tuple[int, int]], start: int, end: int) -> int:
         """Where the next window starts: `overlap_tokens` back from the cut, at a word start."""
         overlap = min(self.config.overlap_tokens, (end - start) // 2)
         nxt = end - overlap
-        # Moving forward to a word start keeps the overlap within overlap_tokens.
+        # Moving forward keeps the overlap within overlap_tokens: to a line start if the overlap
+        # holds one (a table's next window then opens with a whole row); after a cut at a line
+        # break, to the cut itself rather than into the middle of the line before it; else to
+        # a word start.
+        for i in range(max(nxt, start + 1), end):
+            if "\n" in text[offsets[i - 1][1]:offsets[i][0]]:
+                return i
+        if end < len(offsets) and "\n" in text[offsets[end - 1][1]:offsets[end][0]]:
+            return end
         for i in range(nxt, end):
             if i == 0 or any(c.isspace() for c in text[offsets[i - 1][1]:offsets[i][0]]):
                 return max(i, start + 1)

@@ -170,6 +170,21 @@ def test_oversized_element_windows_overlap_and_prefer_sentence_ends(chunker) -> 
         assert 0 < chunker.count_tokens(shared) <= 8
 
 
+def test_a_long_table_is_cut_and_overlapped_between_rows(chunker) -> None:
+    # A row holds sentence ends ("Prof.", "Dr."): a cut there would split it, and the next
+    # window would open in the middle of a row.
+    header = "| Date | Speaker | Title |\n| --- | --- | --- |"
+    rows = [f"| {d} Jan 2025 | Prof. A. Weiss (ETH) | Talk {d}. Tomography of pores |" for d in range(1, 21)]
+    chunks = chunker.chunk(doc(T("Seminars"), Element("Table", "\n".join([header, *rows]))))
+    assert len(chunks) > 3
+    for c in chunks:
+        assert c.num_tokens <= 48
+        for line in body(c).splitlines():
+            assert line.startswith("| ") and line.endswith(" |"), (line, c.text)
+    shown = {line for c in chunks for line in body(c).splitlines()}
+    assert set(rows) <= shown  # every row whole in some chunk
+
+
 def test_no_overlap_when_configured_off(tokenizer) -> None:
     c = Chunker(tokenizer, ChunkingConfig(max_tokens=32, overlap_tokens=0))
     words = " ".join(f"w{i}" for i in range(300))
