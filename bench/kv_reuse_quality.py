@@ -298,6 +298,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also append the per-question rows here")
     parser.add_argument("--only", nargs="*", default=None, help="run only these conditions (full always runs)")
+    parser.add_argument("--sets", nargs="*", default=None, help="run only these question sets (sample, multi-source)")
     parser.add_argument(
         "--deviation-profile", action="store_true",
         help="instead of the conditions: how concentrated the reused KV's deviation from full prefill is",
@@ -306,6 +307,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None, args.cache_dir)
     sets = {"sample": sample_items(args.sources), "multi-source": synthetic_items(args.sources)}
+    if args.sets:
+        sets = {k: v for k, v in sets.items() if k in args.sets}
     if args.limit:
         sets = {k: v[: args.limit] for k, v in sets.items()}
     if args.deviation_profile:
