@@ -74,11 +74,16 @@ def parse_conversation(messages: Sequence[dict[str, Any]]) -> Conversation:
         raise ConfigError("the last message must be a non-empty user message (the question)")
     question = turns[-1]["content"]
     history = [{"role": t["role"], "content": _truncate(t["content"])} for t in turns[:-1][-HISTORY_MESSAGES:]]
-    earlier_user = [t["content"] for t in turns[:-1] if t["role"] == "user"]
-    query = question
+    return Conversation(question, history, retrieval_query_for(question, turns[:-1]))
+
+
+def retrieval_query_for(question: str, history: Sequence[dict[str, str]]) -> str:
+    """What to search with: `question`, or, for a short or referring follow-up, the user turn
+    before it and the question ("Which microscope can I book? And how do I book it?")."""
+    earlier_user = [t.get("content", "") for t in history if t.get("role") == "user" and t.get("content", "").strip()]
     if earlier_user and (len(question.split()) <= 8 or _REFERRING.search(question)):
-        query = f"{_truncate(earlier_user[-1], 300)} {question}"
-    return Conversation(question, history, query)
+        return f"{_truncate(earlier_user[-1].strip(), 300)} {question}"
+    return question
 
 
 def _truncate(text: str, limit: int = HISTORY_CHARS) -> str:

@@ -25,6 +25,7 @@ from rag.admission import AdmissionControl
 from rag.answer_mode import AnswerMode, resolve_answer_mode
 from rag.answering import AnswerDone, PreparedAnswer, answer_events
 from rag.batching import BatchedQueryEmbedder, BatchedReranker
+from rag.conversation import retrieval_query_for
 from rag.errors import ConfigError, NotFoundError
 from rag.extractive import extract_answer
 from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
@@ -349,8 +350,9 @@ class Rag:
         """Retrieve and pack the prompt; the returned PreparedAnswer says what to generate.
 
         Args:
-            retrieval_query: what to search with, when it differs from the question (a
-                follow-up in a conversation is searched with the turn before it).
+            retrieval_query: what to search with, when it differs from the question. None: the
+                question, or with `history`, a short or referring follow-up together with the
+                user turn before it (`rag.conversation.retrieval_query_for`).
             candidates: hits per retrieval leg for the reranker (see `query`).
         """
         started = time.perf_counter()
@@ -367,6 +369,8 @@ class Rag:
                                               rerank=self.settings.rerank if rerank is None else rerank)
         retriever = self.retriever(collection, rerank)
         reranked = retriever.reranker is not None
+        if retrieval_query is None and history:
+            retrieval_query = retrieval_query_for(question, history)  # as the chat API searches a follow-up
         result = retriever.retrieve(retrieval_query or question, principal, k=k,
                                     candidates=max(k, candidates),
                                     rerank=reranked, mode=mode)

@@ -138,7 +138,7 @@ def test_title_context_makes_its_own_variant_and_off_keeps_the_old_name(tmp_path
     from rag.experiments.variants import spec_key
     from rag.settings import load_settings
 
-    base = load_settings(home=tmp_path)
+    base = load_settings(home=tmp_path, chunk_title_context=False)
     on = base.model_copy(update={"chunk_title_context": True})
     assert spec_key(on, "default") != spec_key(base, "default")
     # Off, the name is what it was before the setting existed, so built variants are found again.
