@@ -65,6 +65,12 @@ def make_handler(log_format: str) -> logging.Handler:
     return handler
 
 
+# Libraries that log routine start-up at INFO in a way that reads like failure: Faiss tries each
+# CPU build in turn and logs "Could not load library with AVX512 support due to:
+# ModuleNotFoundError(...)" over several lines before loading the generic one.
+CHATTY_LOGGERS = ("faiss.loader",)
+
+
 def configure_logging(log_format: str, level: int = logging.INFO) -> dict:
     """Route every logger (uvicorn's too) to one stderr handler in `log_format`.
 
@@ -73,6 +79,8 @@ def configure_logging(log_format: str, level: int = logging.INFO) -> dict:
         (run uvicorn with access_log=False: the service writes its own access lines, by route template).
     """
     logging.basicConfig(level=level, handlers=[make_handler(log_format)], force=True)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))
     return {"version": 1, "disable_existing_loggers": False,
             "loggers": {name: {"handlers": [], "propagate": True, "level": logging.getLevelName(level)}
                         for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}}

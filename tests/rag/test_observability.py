@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +22,8 @@ from typer.testing import CliRunner
 from rag.api.app import create_app
 from rag.api.logs import JsonFormatter
 from tests.rag.live_server import serving
+
+REPO = Path(__file__).resolve().parents[2]
 
 QUESTION = "Which GPU nodes can I use?"
 CHAT_QUESTION = "How do I submit a job to the GPU partition?"
@@ -235,3 +240,14 @@ def test_serve_log_format_json_sets_up_json_logs(monkeypatch, tmp_path):
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_the_service_log_has_no_faiss_cpu_probing():
+    # Faiss logs each CPU build it fails to load ("Could not load library with AVX512 support due
+    # to: ModuleNotFoundError(...)") at INFO: in an operator's log that reads like a failure.
+    code = ("import logging; from rag.api.logs import configure_logging; configure_logging('text'); "
+            "import faiss; logging.getLogger('rag').info('still logged')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "still logged" in done.stderr
+    assert "Could not load library" not in done.stderr and "ModuleNotFoundError" not in done.stderr
