@@ -27,7 +27,10 @@ async def healthz(rag: RagDep) -> Health:
 async def readyz(rag: RagDep) -> JSONResponse:
     generator = rag.__dict__.get("generator")
     admission = rag.admission.snapshot()
-    body = {"ready": True, "generator": "not loaded", "in_flight": admission.in_flight, "queued": admission.queued}
+    # An extracting service never loads a generator: say so, rather than "not loaded", which reads
+    # like something still to come (or gone wrong).
+    idle = "not needed (answers are extracted)" if rag.answer_mode == "extract" else "not loaded"
+    body = {"ready": True, "generator": idle, "in_flight": admission.in_flight, "queued": admission.queued}
     if generator is not None:
         body["generator"] = generator.model_name
         check = getattr(generator, "check_ready", None)
