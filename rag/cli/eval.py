@@ -16,7 +16,7 @@ from rag.errors import ConfigError
 _CONFIG_HELP = (
     "a configuration to run, as key=value pairs separated by commas (repeatable; default: the "
     "settings' hybrid + rerank). Keys: mode (dense, keyword, hybrid), rerank (on/off), k, candidates, "
-    "chunk (max tokens), overlap, embedder, store, name. E.g. --config mode=dense,rerank=off "
+    "chunk (max tokens), overlap, title_context (on/off), embedder, store, name. E.g. --config mode=dense,rerank=off "
     "--config mode=hybrid,k=10 --config chunk=100,overlap=16. Chunking, embedder and store "
     "variants are built once in HOME/experiments and reused")
 
