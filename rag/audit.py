@@ -40,12 +40,7 @@ class AuditLog:
     def write(self, entry: dict[str, Any]) -> None:
         # Refused requests are logged too, and their text may not be valid Unicode (a lone
         # surrogate escape): keep such characters escaped rather than fail the write.
-        text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
-        # JSON leaves U+0085, U+2028 and U+2029 raw, and many line readers (Python's splitlines,
-        # log viewers) break lines there: a collection name a client made up could split an entry
-        # or forge a second one. Inside JSON output they occur only in strings, so escape them.
-        text = text.translate(_LINE_BREAKS_ESCAPED)
-        line = (text + "\n").encode("utf-8", "backslashreplace")
+        line = (one_line_json(entry) + "\n").encode("utf-8", "backslashreplace")
         with self._lock:
             if self._fd is None:
                 private_mkdir(self.path.parent)
@@ -73,6 +68,16 @@ class AuditLog:
                 continue
             out.append(entry)
         return out[-limit:] if limit else out
+
+
+def one_line_json(entry: dict[str, Any], separators: tuple[str, str] = (",", ":")) -> str:
+    """`entry` as JSON that every line reader sees as one line (the log file, `rag audit --json`).
+
+    JSON leaves U+0085, U+2028 and U+2029 raw, and many line readers (Python's splitlines, log
+    viewers) break lines there: a collection name a client made up could split an entry or forge a
+    second one. Inside JSON output they occur only in strings, so they are escaped.
+    """
+    return json.dumps(entry, ensure_ascii=False, separators=separators).translate(_LINE_BREAKS_ESCAPED)
 
 
 def _entries(path: Path) -> Iterator[dict[str, Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -27,14 +26,14 @@ def audit(
     Each line: time, status, user, key id (and "via proxy"), collection, latency, cited documents
     and the question's SHA-256 (its text too when audit_questions = true).
     """
-    from rag.audit import AUDIT_FILE, AuditLog
+    from rag.audit import AUDIT_FILE, AuditLog, one_line_json
     from rag.settings import load_settings
 
     settings = load_settings(home=ctx.find_root().params.get("home"))
     entries = AuditLog(settings.home / AUDIT_FILE).read(user=user, since=_parse_time(since), limit=limit)
     for e in entries:
         if as_json:
-            typer.echo(json.dumps(e, ensure_ascii=False))
+            typer.echo(one_line_json(e, separators=(", ", ": ")))
             continue
         via = " via proxy" if e.get("via_proxy") else ""
         cited = ",".join(e.get("cited") or []) or "-"

@@ -183,3 +183,8 @@ def test_an_entry_stays_one_line_whatever_a_client_sends(tmp_path, breaker):
     assert len(lines) == 2
     assert [json.loads(line)["collection"] for line in lines] == [forged, "ok"]
     assert [e["user"] for e in log.read()] == ["bob", "bob"]
+    # The operator's view prints them the same way (the CI once cut `rag audit --json` output too).
+    shown = subprocess.run([sys.executable, "-m", "rag.cli", "--home", str(tmp_path), "audit", "--json"],
+                           capture_output=True, text=True, timeout=120, check=True, env={**os.environ,
+                           "PYTHONIOENCODING": "utf-8"}).stdout.splitlines()
+    assert [json.loads(line)["collection"] for line in shown] == [forged, "ok"]
