@@ -169,7 +169,7 @@ def candidate_sentences(sources: Sequence[Hit]) -> list[Sentence]:
     out = []
     for number, hit in enumerate(sources, 1):
         for sentence in split_units(hit.text, hit.heading):
-            key = " ".join(sentence.casefold().split())
+            key = _same_text_key(sentence)
             if key not in seen:
                 seen.add(key)
                 out.append(Sentence(sentence, number))
@@ -234,9 +234,14 @@ def _sentences_of_best_source(scored: list[Sentence], sources: Sequence[Hit], so
     if source_scores[best] < source_floor:
         return []
     hit = sources[best]
-    units = {" ".join(u.casefold().split()) for u in split_units(hit.text, hit.heading)}
+    units = {_same_text_key(u) for u in split_units(hit.text, hit.heading)}
     # A sentence is numbered by the first source it occurs in; one also in the best source is its.
-    return [Sentence(s.text, best + 1, s.score) for s in scored if " ".join(s.text.casefold().split()) in units]
+    return [Sentence(s.text, best + 1, s.score) for s in scored if _same_text_key(s.text) in units]
+
+
+def _same_text_key(sentence: str) -> str:
+    """What makes two quotable units the same one: their words, case and spacing aside."""
+    return " ".join(sentence.casefold().split())
 
 
 def cite(sentence: str, number: int) -> str:

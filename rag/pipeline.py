@@ -32,7 +32,7 @@ from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, Gene
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
-from rag.settings import Settings, check_collection_name
+from rag.settings import MAX_CANDIDATES, Settings, check_collection_name
 from rag.source_order import order_sources
 from rag.types import Answer, Hit
 from retrieval.records import BuildSpec
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 
 
 NO_ANSWER = "I don't know: none of the documents you may read answer this question."
-# The most hits a query may hand the reranker: the `candidates` setting's bound. Every candidate
-# is a cross-encoder forward pass, so more than this is a mistake, not a tuning.
-MAX_CANDIDATES = 1000
 
 
 class Rag:

@@ -20,6 +20,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rag.errors import ConfigError
 
+# The most hits a query may hand the reranker (the setting, Rag.query, experiment configs): every
+# candidate is a cross-encoder forward pass, so more than this is a mistake, not a tuning.
+MAX_CANDIDATES = 1000
+
 
 class Settings(BaseSettings):
     """Every knob of the framework, with defaults that run the embedded setup."""
@@ -68,7 +72,7 @@ class Settings(BaseSettings):
     embed_devices: list[str] | None = None
     embed_max_batch_tokens: int | None = Field(default=None, ge=64)
     top_k: int = Field(default=5, ge=1, le=100, description="sources given to the generator")
-    candidates: int = Field(default=20, ge=1, le=1000, description="hits fetched before reranking")
+    candidates: int = Field(default=20, ge=1, le=MAX_CANDIDATES, description="hits fetched before reranking")
     rerank: bool = True
     # At most this many of the top_k sources from one document (0: no cap), filled from the
     # next candidates; and whether the reranker's order is fused (RRF) with the retrieval order

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rag.errors import ConfigError
+from rag.settings import MAX_CANDIDATES
 
 MODES = ("dense", "keyword", "hybrid")
 STORES = ("faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector")
@@ -51,8 +52,8 @@ class Config:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
         if not 1 <= self.k <= 100:
             raise ConfigError(f"k must be between 1 and 100, got {self.k}")
-        if self.candidates is not None and not 1 <= self.candidates <= 1000:
-            raise ConfigError(f"candidates must be between 1 and 1000, got {self.candidates}")
+        if self.candidates is not None and not 1 <= self.candidates <= MAX_CANDIDATES:
+            raise ConfigError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
         if self.chunk_max_tokens is not None and not 16 <= self.chunk_max_tokens <= 512:
             raise ConfigError(f"chunk_max_tokens must be between 16 and 512, got {self.chunk_max_tokens}")
         if self.chunk_overlap_tokens is not None and not 0 <= self.chunk_overlap_tokens <= 255:
