@@ -183,6 +183,8 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 KV_REUSE_MODES = ("exact", "chunks")
+# What a request does with a chunk whose canonical KV is not cached (EngineConfig.chunk_miss).
+CHUNK_MISS_CHOICES = ("wait", "in_place")
 # Steps per scheduled batch on CUDA: the host's per-batch work (schedule, pack, sync, finish
 # checks) is then paid once per 8 tokens, while a new request waits at most 8 steps to join.
 DEFAULT_CUDA_SCHEDULER_STEPS = 8
@@ -227,6 +229,13 @@ class EngineConfig:
             "first_block" (its first KV block) or "fraction" (its leading chunk_recompute_fraction).
         chunk_recompute_fraction: share of a reused chunk's tokens recomputed in "fraction" mode.
             Range (0, 1]; 1 recomputes everything.
+        chunk_miss: in "chunks" mode, what a request does with a chunk whose canonical KV is not
+            cached. "wait": the chunk's compile (`head ‖ chunk`, standalone) is queued ahead and
+            the request waits for it, then reuses it: the fewest tokens computed, but the request
+            starts a step later and, under load, its compiles queue behind other prefills.
+            "in_place": the request computes the chunk in its own prefill, exactly (no wait), and
+            the compile is queued behind the request from the chunk's second miss on (a chunk
+            retrieved once is usually one of the many cold ones, not worth compiling).
         host_kv_blocks: size, in KV blocks, of a host-memory tier under the prefix cache (pinned
             on CUDA): a published block evicted from the GPU pool is copied there once, and a
             later lookup that misses on the GPU but finds the exact same block (namespace, prefix,
@@ -254,6 +263,7 @@ class EngineConfig:
     kv_reuse: str = "exact"
     chunk_recompute: str = "first_block"
     chunk_recompute_fraction: float = 0.15
+    chunk_miss: str = "wait"
     host_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -268,6 +278,8 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; valid: None, {', '.join(DTYPE_NAMES)}")
         if self.kv_reuse not in KV_REUSE_MODES:
             raise ValueError(f"kv_reuse {self.kv_reuse!r} is not supported; valid: {', '.join(KV_REUSE_MODES)}")
+        if self.chunk_miss not in CHUNK_MISS_CHOICES:
+            raise ValueError(f"chunk_miss {self.chunk_miss!r} is not supported; valid: {', '.join(CHUNK_MISS_CHOICES)}")
         if self.kv_reuse == "chunks" and not self.enable_prefix_caching:
             raise ValueError('kv_reuse="chunks" keeps chunk KV in the prefix cache: enable_prefix_caching must be on')
         if self.host_kv_blocks < 0:

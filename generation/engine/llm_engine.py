@@ -12,6 +12,7 @@ from typing import Any
 from generation.config import EngineConfig
 from generation.engine.block_manager import BlockManager
 from generation.engine.cache_namespaces import CacheNamespaces, NamespaceSpec
+from generation.engine.chunk_doorkeeper import ChunkDoorkeeper
 from generation.engine.chunk_reuse import ChunkReusePlanner, compile_prompt
 from generation.engine.detokenizer import PROMPT_CONTEXT_TOKENS
 from generation.engine.host_kv_tier import HostKVTier
@@ -139,6 +140,9 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         # Chunk compiles queued and not finished yet, by what they compute: one per chunk at a time.
         self._compiles: dict[tuple, int] = {}
+        # chunk_miss="in_place": which missed chunks are worth a compile (None: "wait" compiles every miss).
+        in_place = self.chunk_planner is not None and self.config.chunk_miss == "in_place"
+        self._doorkeeper = ChunkDoorkeeper() if in_place else None
 
     # ---------------------------------------------------------------------------------------------
     # Requests
@@ -208,16 +212,24 @@ class LLMEngine:
     def add(self, request: Request) -> int:
         """Queue a request built by make_request or make_segmented_request; returns its id."""
         seq = request.seq
+        behind: list[tuple[PromptSegment, PromptSegment]] = []
         if seq.segments is not None and self.chunk_planner is not None:
-            # Chunks whose canonical KV is not cached are compiled first; the request waits for them.
             head = seq.segments[0]
             for chunk in seq.segments:
-                if chunk.kind is SegmentKind.CHUNK and not self.chunk_planner.lookup(head, chunk):
+                if chunk.kind is not SegmentKind.CHUNK or self.chunk_planner.lookup(head, chunk):
+                    continue
+                if self._doorkeeper is None:
+                    # chunk_miss="wait": the compile goes first and the request waits for it.
                     seq.waits_for.add(self._compile(head, chunk))
+                elif self._doorkeeper.on_miss(head, chunk):
+                    behind.append((head, chunk))  # "in_place": computed here, compiled for later requests
         self.scheduler.add(request.seq)
         self._requests[request.request_id] = request
         if not request.internal:
             self.metrics.on_arrival(request.request_id, request.seq.arrival_time)
+        for head, chunk in behind:
+            # Queued after the request, so it never delays it: the request computes the chunk in place.
+            self._compile(head, chunk)
         return request.request_id
 
     def add_segmented_request(

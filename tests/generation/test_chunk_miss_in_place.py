@@ -1,0 +1,114 @@
+"""chunk_miss="in_place": a missed chunk is computed exactly in the request's own prefill (no wait),
+and its canonical KV is compiled behind the request from its second miss on (the doorkeeper)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from generation import LLM
+from generation.config import EngineConfig
+from generation.engine.chunk_doorkeeper import ChunkDoorkeeper
+from generation.engine.llm_engine import LLMEngine
+from generation.engine.prompt_segments import PromptSegment
+from generation.sampling_params import SamplingParams
+
+from .chunk_reuse_reference import reference_logits
+from .test_chunk_reuse import BS, CHUNK_A, CHUNK_B, CHUNK_C, HEAD, MIXED, QUESTION, REORDERED, first_logits, label
+
+
+def make_llm(path, **engine_args) -> LLM:
+    return LLM(path, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=256, **engine_args)
+
+
+def drain(engine: LLMEngine) -> None:
+    """Run what is still queued (the compiles queued behind a request) to the end."""
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def serve(engine: LLMEngine, segments: list[PromptSegment]) -> torch.Tensor:
+    logits = first_logits(engine, segments)
+    drain(engine)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("default")[0]
+
+
+def test_a_miss_is_computed_in_place_as_exact_mode_computes_it(tiny):
+    # Same history in both engines, so the same exact prefix hits: every chunk missed, nothing
+    # is copied, and the request computes exactly what kv_reuse="exact" computes.
+    exact = make_llm(tiny)
+    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
+    assert torch.equal(serve(llm.engine, MIXED), serve(exact.engine, MIXED))
+    # Here the compiles queued behind share the request's step, and CPU BLAS rounds a product
+    # of more rows differently: equal to fp32 rounding, not bit for bit (the batch differs).
+    torch.testing.assert_close(serve(llm.engine, REORDERED), serve(exact.engine, REORDERED), rtol=0, atol=1e-5)
+    planner = llm.engine.chunk_planner
+    assert planner.num_reused_tokens == 0 and planner.num_chunks_reused == 0
+
+
+def test_the_request_waits_for_nothing_and_its_compiles_queue_behind_it(tiny):
+    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
+    serve(llm.engine, MIXED)
+    request_id = llm.engine.add_segmented_request(REORDERED, SamplingParams(max_tokens=1, ignore_eos=True))
+    waiting = list(llm.engine.scheduler.waiting)
+    assert [s.seq_id for s in waiting][0] == request_id and not waiting[0].waits_for
+    assert len(waiting) == 4  # the three chunks' compiles, after it
+
+
+def test_compiles_start_at_the_second_miss_and_the_third_request_reuses(tiny):
+    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
+    engine, planner = llm.engine, llm.engine.chunk_planner
+    serve(engine, MIXED)  # first sight of A, B, C: in place, no compile
+    assert (planner.num_chunk_misses, planner.num_chunks_in_place, engine._compiles) == (3, 3, {})
+    computed_first = engine.get_metrics().prompt_computed_tokens
+    assert computed_first == sum(len(s.token_ids) for s in MIXED)  # nothing compiled on the side
+    serve(engine, REORDERED)  # second miss of each: in place again, compiled behind
+    assert (planner.num_chunk_misses, planner.num_chunks_in_place, planner.num_chunks_reused) == (6, 6, 0)
+    third = [HEAD, label(1), CHUNK_B, label(2), CHUNK_C, label(3), CHUNK_A, QUESTION]  # no exact prefix past the head
+    got = serve(engine, third)  # now every chunk's canonical KV is cached
+    assert planner.num_chunk_hits == 3 and planner.num_chunks_reused == 3
+    torch.testing.assert_close(got, reference_logits(llm.model, third, BS), rtol=0, atol=1e-5)
+
+
+def test_misses_are_counted_per_namespace(tiny):
+    # The same tokens under another document's namespace are another chunk: its misses do not
+    # count towards the first one's compile, nor the other way round.
+    other = PromptSegment.of("chunk", CHUNK_A.token_ids, "acl:other")
+    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
+    serve(llm.engine, [HEAD, label(1), CHUNK_A, QUESTION])
+    serve(llm.engine, [HEAD, label(1), other, QUESTION])
+    assert llm.engine.get_metrics().prompt_computed_tokens == 2 * (8 + 4 + 12 + 5) - 8 - 4  # head, label hit
+    serve(llm.engine, [HEAD, label(1), other, label(2), CHUNK_A, QUESTION])  # second miss of both
+    serve(llm.engine, [HEAD, label(1), CHUNK_A, label(2), other, QUESTION])
+    planner = llm.engine.chunk_planner
+    assert planner.num_chunk_hits == 2 and planner.num_chunks_reused == 1  # CHUNK_A's hit was an exact prefix
+
+
+def test_wait_mode_is_still_the_default_and_compiles_first(tiny):
+    assert EngineConfig().chunk_miss == "wait"
+    llm = make_llm(tiny, kv_reuse="chunks")
+    request_id = llm.engine.add_segmented_request([HEAD, label(1), CHUNK_B, label(2), CHUNK_C, QUESTION])
+    waiting = list(llm.engine.scheduler.waiting)
+    assert waiting[-1].seq_id == request_id and len(waiting[-1].waits_for) == 2
+
+
+def test_chunk_miss_is_validated():
+    with pytest.raises(ValueError, match="chunk_miss 'later' is not supported; valid: wait, in_place"):
+        EngineConfig(chunk_miss="later")
+
+
+def test_the_doorkeeper_forgets_the_least_recently_missed():
+    keeper = ChunkDoorkeeper(misses_to_compile=2, capacity=2)
+    a, b, c = (PromptSegment.of("chunk", [n, n + 1], "acl:a") for n in (1, 10, 20))
+    assert not keeper.on_miss(HEAD, a) and not keeper.on_miss(HEAD, b)
+    assert not keeper.on_miss(HEAD, c)  # forgets a
+    assert not keeper.on_miss(HEAD, a)  # a starts over (and b is forgotten)
+    assert keeper.on_miss(HEAD, c) and keeper.on_miss(HEAD, a)
+    assert len(keeper) == 0  # compiled chunks are not remembered
+    with pytest.raises(ValueError):
+        ChunkDoorkeeper(misses_to_compile=0)
