@@ -169,9 +169,16 @@ def main() -> None:
     parser.add_argument("--subset", type=int, metavar="N",
                         help="ingest only the questions' pages plus N other pages (quick run)")
     parser.add_argument("--k", type=int, default=5, help="hits per question (default 5)")
+    parser.add_argument("--configs", default=",".join(label for label, *_ in CONFIGS),
+                        help="comma-separated configuration labels to run (default: all; "
+                        "the dense row is the ratio's peer, '-' without it)")
     parser.add_argument("--show-misses", action="store_true",
                         help="list each question hybrid + rerank does not fully find, with the pages it returned")
     args = parser.parse_args()
+    chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - {label for label, *_ in CONFIGS})
+    if unknown:
+        parser.error(f"unknown --configs {', '.join(unknown)}; choose from: {', '.join(c[0] for c in CONFIGS)}")
 
     base = None if args.home else Path(tempfile.mkdtemp(prefix="rag-pgdocs-"))
     home = args.home or base / "home"
@@ -195,7 +202,8 @@ def main() -> None:
     print(f"corpus: {len(placed)} pages, {stats.get('documents')} documents, {stats.get('chunks')} chunks; "
           f"ingest {ingest_s:.0f} s ({report.added} added, {report.updated} updated, {report.unchanged} unchanged); "
           f"embedder {rag.embedder.name}, reranker {rag.settings.reranker or 'packaged default'}, "
-          f"chunks of {rag.settings.chunk_max_tokens} tokens, candidates {rag.settings.candidates}")
+          f"chunks of {rag.settings.chunk_max_tokens} tokens, candidates {rag.settings.candidates}, "
+          f"dense feedback {'on' if rag.settings.dense_feedback else 'off'}")
     print(f"questions: {len(questions)} ({answerable} answerable, {len(questions) - answerable} should refuse)")
     print()
     print(f"| configuration | recall@{args.k} | vs dense | MRR@{args.k} | fully found "
@@ -203,9 +211,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     scores = {}
     for label, mode, rerank, candidates in CONFIGS:
+        if label not in chosen:
+            continue
         candidates = candidates or rag.settings.candidates
         scores[label] = s = score(rag, questions, corpus, acls, mode, rerank, args.k, candidates)
-        dense = mean(scores["dense"].recalls)
+        dense = mean(scores["dense"].recalls) if "dense" in scores else 0.0
         ratio = f"{mean(s.recalls) / dense:.2f}" if dense else "-"
         print(f"| {label} | {mean(s.recalls):.3f} | {ratio} | {mean(s.reciprocal_ranks):.3f} "
               f"| {len(s.recalls) - len(s.misses)}/{len(s.recalls)} | {mean(s.distinct_recalls):.3f} "
@@ -214,7 +224,7 @@ def main() -> None:
     for label, s in scores.items():
         for question, user, page in s.leaks:
             print(f"LEAK ({label}): {user} asked {question!r} and got {page}")
-    if args.show_misses:
+    if args.show_misses and "hybrid + rerank" in scores:
         print("\nnot fully found by hybrid + rerank:")
         for q, got in scores["hybrid + rerank"].misses:
             print(f"- {q.principal.user}: {q.question!r}\n    wanted {', '.join(q.sources)}"

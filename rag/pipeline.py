@@ -16,6 +16,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ingest.deletion_guard import DeletionGuard
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from ingest.source_names import SourceNamer
@@ -241,9 +243,15 @@ class Rag:
                     "--mode keyword, or re-ingest into a new collection")
             return self.query_embedder(question)
 
+        def embed_passages(texts: Sequence[str]) -> np.ndarray:
+            # The query embedder runs the embedder's plain batch function, the one ingest embeds
+            # chunks with, so feedback passages land where their stored vectors are.
+            return np.stack([embed_query(text) for text in texts])
+
         return Retriever(store, embed_query, self.batched_reranker if use_rerank else None,
                          max_per_document=self.settings.max_hits_per_document or None,  # 0: no cap
-                         fuse_rerank=self.settings.fuse_rerank)
+                         fuse_rerank=self.settings.fuse_rerank, embed_passages=embed_passages,
+                         dense_feedback=self.settings.dense_feedback)
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:

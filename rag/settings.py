@@ -79,6 +79,10 @@ class Settings(BaseSettings):
     # instead of replacing it. Defaults measured on the PostgreSQL manual set (docs/benchmarks.md).
     max_hits_per_document: int = Field(default=2, ge=0, le=100)
     fuse_rerank: bool = True
+    # Hybrid mode only: also fuse a dense search from the question's vector moved toward the
+    # first pass's 5 best readable hits (pseudo-relevance feedback, retrieval/feedback.py), which
+    # reaches pages whose words the question does not use. Measured on the same set.
+    dense_feedback: bool = True
     # Reranked sources scoring below this are dropped before generation (None keeps all).
     # The default suits ms-marco cross-encoders, whose logits for unrelated text are far below 0.
     min_rerank_score: float | None = -5.0

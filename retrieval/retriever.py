@@ -2,13 +2,14 @@
 
 Both legs search only what the principal may read (the filter runs inside each store's
 query), hits are post-checked against their stored ACL, and only then reranked (the
-reranker's order fused with the retrieval order) and capped per document.
+reranker's order fused with the retrieval order) and capped per document. In hybrid mode a
+third, dense feedback leg (retrieval.feedback) starts from the best post-checked hits.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from permissions.policy import store_filter
 from rag.errors import ConfigError
 from rag.types import Hit
 from retrieval.diversity import cap_per_document
+from retrieval.feedback import FEEDBACK_HITS, feedback_query
 from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ MODES = ("dense", "keyword", "hybrid")
 # Measured on the PostgreSQL manual set (docs/benchmarks.md): see the settings of the same names.
 MAX_HITS_PER_DOCUMENT = 2
 FUSE_RERANK = True
+DENSE_FEEDBACK = True
 
 
 @dataclass
@@ -50,11 +53,17 @@ class Retriever:
         max_per_document: the per-document cap of the top k (None: no cap).
         fuse_rerank: order by RRF of the retrieval and the reranker's orders (True) or by the
             reranker alone (False). Hits carry the reranker's score either way.
+        embed_passages: texts → (n, dim) L2-normalized rows in the query's space; needed for
+            the feedback leg (None: no feedback leg).
+        dense_feedback: in hybrid mode, fuse a third leg: a dense search from the query moved
+            toward the first pass's best post-checked hits (retrieval.feedback).
     """
 
     def __init__(self, store: CollectionStore, embed_query: Callable[[str], np.ndarray],
                  reranker: Reranker | None = None, max_per_document: int | None = MAX_HITS_PER_DOCUMENT,
-                 fuse_rerank: bool = FUSE_RERANK) -> None:
+                 fuse_rerank: bool = FUSE_RERANK,
+                 embed_passages: Callable[[Sequence[str]], np.ndarray] | None = None,
+                 dense_feedback: bool = DENSE_FEEDBACK) -> None:
         if max_per_document is not None and max_per_document < 1:
             raise ConfigError(f"max_per_document must be >= 1 or None (no cap), got {max_per_document}")
         self.store = store
@@ -62,6 +71,8 @@ class Retriever:
         self.reranker = reranker
         self.max_per_document = max_per_document
         self.fuse_rerank = fuse_rerank
+        self.embed_passages = embed_passages
+        self.dense_feedback = dense_feedback
 
     def retrieve(self, question: str, principal: Principal, k: int = 5, candidates: int = 30,
                  rerank: bool = True, mode: str = "hybrid") -> RetrievalResult:
@@ -74,7 +85,7 @@ class Retriever:
             candidates: hits fetched from each leg before fusion and reranking.
             rerank: apply the cross-encoder (when one is configured).
             mode: "dense" (embeddings), "keyword" (BM25 / full text) or "hybrid" (both,
-                fused by reciprocal rank).
+                fused by reciprocal rank, with the dense feedback leg when it is on).
         """
         check_mode(mode)
         timings: dict[str, float] = {}
@@ -85,6 +96,7 @@ class Retriever:
         fetch = max(k, candidates if ((rerank and self.reranker) or capped) else k)
 
         legs: list[list[tuple[int, float]]] = []
+        query = None
         if mode in ("dense", "hybrid"):
             t = time.perf_counter()
             query = self.embed_query(question)
@@ -99,6 +111,28 @@ class Retriever:
         found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=fetch)
 
         t = time.perf_counter()
+        hits = self._readable_hits(found, principal)
+        timings["fetch"] = time.perf_counter() - t
+
+        if mode == "hybrid" and self.dense_feedback and self.embed_passages is not None and hits:
+            t = time.perf_counter()
+            # Only post-checked hits feed back: unreadable text must not steer the ranking.
+            passages = self.embed_passages([h.text for h in hits[:FEEDBACK_HITS]])
+            legs.append(self.store.search(feedback_query(query, passages), fetch, tokens))
+            hits = self._readable_hits(reciprocal_rank_fusion(legs, limit=fetch), principal)
+            timings["feedback"] = time.perf_counter() - t
+
+        if rerank and self.reranker is not None and hits:
+            t = time.perf_counter()
+            # Every candidate is scored either way; the cap below may need ranks past k.
+            reranked = self.reranker.rerank(question, hits)
+            hits = fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
+            timings["rerank"] = time.perf_counter() - t
+        # After the post-check: the cap only chooses among hits the principal may read.
+        return RetrievalResult(hits=cap_per_document(hits, k, self.max_per_document), timings=timings)
+
+    def _readable_hits(self, found: list[tuple[int, float]], principal: Principal) -> list[Hit]:
+        """`found`'s chunks as hits, in order, without any the principal may not read."""
         records = self.store.chunk_records([i for i, _ in found])
         hits = []
         for chunk_id, score in found:
@@ -111,13 +145,4 @@ class Retriever:
                 chunk_index=rec.index, text=rec.text, score=score, heading=rec.heading,
                 title=rec.title, acl=rec.acl,
             ))
-        timings["fetch"] = time.perf_counter() - t
-
-        if rerank and self.reranker is not None and hits:
-            t = time.perf_counter()
-            # Every candidate is scored either way; the cap below may need ranks past k.
-            reranked = self.reranker.rerank(question, hits)
-            hits = fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
-            timings["rerank"] = time.perf_counter() - t
-        # After the post-check: the cap only chooses among hits the principal may read.
-        return RetrievalResult(hits=cap_per_document(hits, k, self.max_per_document), timings=timings)
+        return hits
