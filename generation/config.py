@@ -233,9 +233,11 @@ class EngineConfig:
             cached. "wait": the chunk's compile (`head ‖ chunk`, standalone) is queued ahead and
             the request waits for it, then reuses it: the fewest tokens computed, but the request
             starts a step later and, under load, its compiles queue behind other prefills.
-            "in_place": the request computes the chunk in its own prefill, exactly (no wait), and
-            the compile is queued behind the request from the chunk's second miss on (a chunk
-            retrieved once is usually one of the many cold ones, not worth compiling).
+            "in_place" (the default): the request computes the chunk in its own prefill, exactly
+            (no wait), and the compile is queued behind the request from the chunk's second miss
+            on (a chunk retrieved once is usually one of the many cold ones, not worth compiling).
+            On the H200 benchmark (docs/benchmarks.md) "in_place" had the lower TTFT sequentially
+            and at half capacity, and the higher offline throughput.
         host_kv_blocks: size, in KV blocks, of a host-memory tier under the prefix cache (pinned
             on CUDA): a published block evicted from the GPU pool is copied there once, and a
             later lookup that misses on the GPU but finds the exact same block (namespace, prefix,
@@ -263,7 +265,7 @@ class EngineConfig:
     kv_reuse: str = "exact"
     chunk_recompute: str = "first_block"
     chunk_recompute_fraction: float = 0.15
-    chunk_miss: str = "wait"
+    chunk_miss: str = "in_place"
     host_kv_blocks: int = 0
 
     def __post_init__(self) -> None:

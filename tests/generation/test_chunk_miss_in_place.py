@@ -89,9 +89,9 @@ def test_misses_are_counted_per_namespace(tiny):
     assert planner.num_chunk_hits == 2 and planner.num_chunks_reused == 1  # CHUNK_A's hit was an exact prefix
 
 
-def test_wait_mode_is_still_the_default_and_compiles_first(tiny):
-    assert EngineConfig().chunk_miss == "wait"
-    llm = make_llm(tiny, kv_reuse="chunks")
+def test_in_place_is_the_default_and_wait_compiles_first(tiny):
+    assert EngineConfig().chunk_miss == "in_place"
+    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="wait")
     request_id = llm.engine.add_segmented_request([HEAD, label(1), CHUNK_B, label(2), CHUNK_C, QUESTION])
     waiting = list(llm.engine.scheduler.waiting)
     assert waiting[-1].seq_id == request_id and len(waiting[-1].waits_for) == 2

@@ -32,6 +32,9 @@ REORDERED = [HEAD, label(1), CHUNK_C, label(2), CHUNK_A, label(3), CHUNK_B, QUES
 
 
 def make_llm(path, **engine_args) -> LLM:
+    # chunk_miss="wait": a request's missed chunks are compiled before it runs, so the next request
+    # reuses them; these tests are about reuse ("in_place", the default, has its own tests).
+    engine_args.setdefault("chunk_miss", "wait")
     return LLM(path, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=256, **engine_args)
 
 
@@ -87,7 +90,7 @@ def test_engine_on_cuda_matches_the_slow_reference(tiny_model_factory):
     # The Triton prefill kernels with several runs of one sequence per step, and the copies on
     # the device, against the same dense reference (run on the GPU too, in fp32).
     llm = LLM(tiny_model_factory("llama3")[0], device="cuda", dtype=torch.float32, block_size=BS,
-              num_kv_blocks=256, kv_reuse="chunks")  # fmt: skip
+              num_kv_blocks=256, kv_reuse="chunks", chunk_miss="wait")  # fmt: skip
     first_logits(llm.engine, MIXED)
     got = first_logits(llm.engine, REORDERED)
     assert llm.engine.chunk_planner.num_chunks_reused == 6
@@ -267,7 +270,8 @@ def test_a_preempted_blended_sequence_plans_again_and_balances_references(tiny):
     roomy.generate_segmented([MIXED], SamplingParams(max_tokens=1, ignore_eos=True))
     want = roomy.generate_segmented([REORDERED, REORDERED], params)
     # A pool too small for both to decode 40 tokens: the newer is preempted and readmitted.
-    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=36, kv_reuse="chunks")
+    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=36, kv_reuse="chunks",
+                chunk_miss="wait")  # fmt: skip
     engine = tight.engine
     tight.generate_segmented([MIXED], SamplingParams(max_tokens=1, ignore_eos=True))
     ids = [engine.add_segmented_request(REORDERED, params) for _ in range(2)]

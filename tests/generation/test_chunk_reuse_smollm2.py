@@ -41,7 +41,8 @@ def _segments(tok, order: list[int]) -> list[PromptSegment]:
 
 
 def test_engine_matches_the_reference_on_smollm2(smollm2_dir):
-    llm = LLM(smollm2_dir, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=256, kv_reuse="chunks")
+    llm = LLM(smollm2_dir, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=256, kv_reuse="chunks",
+              chunk_miss="wait")  # fmt: skip
     first_logits(llm.engine, _segments(llm.tokenizer, [0, 1, 2]))
     later = _segments(llm.tokenizer, [2, 0, 1])
     assert filled_ranges(later, BS), "the test must reuse something"

@@ -232,9 +232,9 @@ def test_chunk_kv_comes_back_from_the_host_instead_of_a_compile(tiny):
     chunk = PromptSegment.of("chunk", list(range(20, 32)), "acl:a")
     segments = [HEAD, label(1), chunk, QUESTION]
     roomy = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=64, max_model_len=40,
-                kv_reuse="chunks")  # fmt: skip
+                kv_reuse="chunks", chunk_miss="wait")  # fmt: skip
     tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=12, max_model_len=40,
-                kv_reuse="chunks", host_kv_blocks=32)  # fmt: skip
+                kv_reuse="chunks", chunk_miss="wait", host_kv_blocks=32)  # fmt: skip
     for llm in (roomy, tight):
         llm.generate_segmented([segments], ONE)
         for filler in FILLERS:
@@ -360,9 +360,9 @@ def test_chunk_kv_evicted_between_arrival_and_admission_comes_back_at_admission(
     chunk = PromptSegment.of("chunk", list(range(20, 32)), "acl:a")
     later = [HEAD, label(2), chunk, QUESTION]
     roomy = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=64, max_model_len=40,
-                kv_reuse="chunks")  # fmt: skip
+                kv_reuse="chunks", chunk_miss="wait")  # fmt: skip
     tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=12, max_model_len=40,
-                kv_reuse="chunks", host_kv_blocks=32)  # fmt: skip
+                kv_reuse="chunks", chunk_miss="wait", host_kv_blocks=32)  # fmt: skip
     for llm in (roomy, tight):
         llm.generate_segmented([[HEAD, label(1), chunk, QUESTION]], ONE)
     engine, planner = tight.engine, tight.engine.chunk_planner

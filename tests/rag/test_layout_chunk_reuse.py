@@ -47,7 +47,7 @@ def test_a_chunk_is_reused_at_another_position_only_under_its_acl(model_dir, rag
     from generation.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", block_size=BS, num_kv_blocks=512,
-                                               kv_reuse="chunks"))
+                                               kv_reuse="chunks", chunk_miss="wait"))
     tokenizer = engine.tokenizer
     run(engine, segmented(rag, tokenizer, ALICE, "Which GPU nodes can I use?", [X, Z]))
     before = engine.get_metrics()
@@ -71,7 +71,7 @@ def test_the_local_generator_sends_rag_prompts_as_segments_when_chunks_are_reuse
     from tests.rag.test_kv_isolation import request
     from tests.rag.tiny_engine import generate, local_generator
 
-    generator = local_generator(model_dir, block_size=BS, num_kv_blocks=512, kv_reuse="chunks")
+    generator = local_generator(model_dir, block_size=BS, num_kv_blocks=512, kv_reuse="chunks", chunk_miss="wait")
     try:
         generate(generator, request(rag, ALICE, "Which GPU nodes can I use?", [X, Z]))
         before = generator.metrics()
