@@ -10,20 +10,36 @@ random bf16 weights. In one run, for each mode:
                     vLLM's automatic prefix cache)
     exact-aware     exact prefix cache, sources ordered greedily by the cached prefix they extend
                     (LLMEngine.num_cached_prefix_tokens; ties by rank)
-    chunks          kv_reuse="chunks": each chunk's KV computed once after the head and reused at
-                    any position (first block recomputed), labels and question recomputed
+    chunks          kv_reuse="chunks", chunk_miss="wait": each chunk's KV computed once after the
+                    head (the request waits for its misses' compiles) and reused at any position
+                    (first block recomputed); labels and question recomputed
+    chunks-inplace  kv_reuse="chunks", chunk_miss="in_place": a missed chunk is computed exactly in
+                    the request's own prefill, and compiled behind it from its second miss on
 
-and for each load: "seq" (one request at a time: time to first token alone), Poisson arrivals at
-each --rates value (requests/s), and "offline" (everything queued at once: throughput). Each
-mode starts from an empty cache and is warmed with --warmup requests of the same stream first.
-Printed: p50/p99 TTFT, output tokens/s, prefix-cache and chunk-cache hit rates, and the ideal
-speed-up of the stream: prompt tokens / tokens that must still be computed (first sight of a
-chunk, recomputed first blocks, labels, question) with an unbounded cache. Ratios are against
-no-cache in the same run. The host-memory tier (issue 16.5) is not built yet: its rows say so.
+A mode name ending in "+host" adds the host-memory tier (--host-kv-blocks); with --gpu-kv-blocks
+the GPU pool is made small enough that the popular chunks do not fit in it, which is when the
+tier matters (with the H200's whole memory the 8B model's pool holds every popular chunk).
+
+Each mode starts from an empty cache and is warmed once by --warmup requests of the same stream,
+prefill only (max_tokens=1: the cache holds the same prompt blocks, at a fraction of the time),
+then the last 64 of them again with full answers (compiling the decode kernels of every batch
+size, which would otherwise slow the first mode's first load); then the loads run in order on
+the warm engine, as on a long-running server:
+
+    seq       one request at a time, first token only (max_tokens=1): time to first token alone
+    offline   everything queued at once: throughput; its requests/s is the mode's capacity
+    <rate>    Poisson arrivals at that many requests/s, or "0.9x": 0.9 x no-cache's offline
+              capacity measured in the same run (no-cache must run first)
+
+TTFT counts from each request's arrival (its Poisson time, not when the loop got to submit it).
+Printed: p50/p99 TTFT, output tokens/s, prefix-cache and chunk-cache hit rates, host-tier hits,
+prompt tokens computed, and the stream's ideal speed-up: prompt tokens / tokens that must still
+be computed by the mode's own rules with an unbounded cache. Then the issue's goals, checked.
+--copy-back times restoring one chunk's blocks from the host tier against recomputing them.
 
     python bench/rag_kv_reuse.py                       # H200: the issue's sizes
     python bench/rag_kv_reuse.py --dry-run             # CPU: a tiny random model, small sizes
-    python bench/rag_kv_reuse.py --rates 2,4 --requests 300 --warmup 300 --folder /tmp/llama8b
+    python bench/rag_kv_reuse.py --rates 0.5x,0.9x --requests 150 --warmup 400 --folder /tmp/llama8b
 """
 
 from __future__ import annotations
@@ -48,7 +64,8 @@ from generation.engine.llm_engine import LLMEngine  # noqa: E402
 from generation.engine.prompt_segments import PromptSegment  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
 
-MODES = ("no-cache", "exact-rank", "exact-aware", "chunks")
+BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace")
+MODES = BASE_MODES + tuple(f"{m}+host" for m in BASE_MODES if m != "no-cache")
 
 
 @dataclass(frozen=True)
@@ -104,39 +121,48 @@ class Corpus:
         return out
 
 
-def ideal_speedup(corpus: Corpus, stream: list[Request], mode: str) -> float:
-    """Prompt tokens / tokens still computed with an unbounded cache, over the whole stream.
+def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request], mode: str) -> float:
+    """Prompt tokens / tokens still computed by the mode's rules with an unbounded cache, over the stream.
+
+    `history` ran before (the warm-up, earlier loads): it fills the cache but is not counted.
 
     exact-aware is estimated with one canonical (sorted) order: the sharing a cache-aware order
-    can reach at best when every earlier prompt is cached.
+    can reach at best when every earlier prompt is cached. chunks-inplace computes a chunk in
+    place at its first two sightings and compiles it (once more) at the second.
     """
     s = corpus.sizes
-    seen: set = set()
+    mode = mode.removesuffix("+host")
+    first_block = min(16, s.chunk_tokens)
+    seen: dict = {}
     total = computed = 0
-    for req in stream:
+    for i, req in enumerate([*history, *stream]):
+        if i == len(history):
+            total = computed = 0  # the cache as history left it; count from here
         prompt = s.head_tokens + s.sources * (s.label_tokens + s.chunk_tokens) + s.question_tokens
         total += prompt
         if mode == "no-cache":
             computed += prompt
             continue
-        if mode == "chunks":
-            fresh = s.head_tokens if "head" not in seen else 0
-            seen.add("head")
+        fresh = 0 if "head" in seen else s.head_tokens
+        seen["head"] = 1
+        if mode in ("chunks", "chunks-inplace"):
             for c in req.chunk_ids:
-                fresh += s.label_tokens + (s.chunk_tokens if c not in seen else min(16, s.chunk_tokens))
-                seen.add(c)
+                n = seen.get(c, 0)
+                seen[c] = n + 1
+                if mode == "chunks":
+                    fresh += s.label_tokens + (s.chunk_tokens if n == 0 else 0) + first_block
+                else:  # in place at sightings 1 and 2, compiled at 2, reused from 3 on
+                    fresh += s.label_tokens + (s.chunk_tokens * (1 if n == 0 else 2) if n < 2 else first_block)
             computed += fresh + s.question_tokens
             continue
         # Exact prefix: the longest prefix of (head, sources in order) seen before, as a trie path.
         order = req.chunk_ids if mode == "exact-rank" else tuple(sorted(req.chunk_ids))
         path: tuple = ()
-        fresh = 0 if ("head",) in seen else s.head_tokens
-        seen.add(("head",))
         for c in order:
             path = (*path, c)
             if path not in seen:
                 fresh += s.label_tokens + s.chunk_tokens
-                seen.add(path)
+                seen[path] = 1
         computed += fresh + s.question_tokens
     return total / computed
 
@@ -178,7 +204,8 @@ def segments(corpus: Corpus, req: Request) -> list[PromptSegment]:
 
 
 def submit(engine: LLMEngine, corpus: Corpus, mode: str, req: Request, params: SamplingParams) -> int:
-    if mode == "chunks":
+    mode = mode.removesuffix("+host")
+    if mode.startswith("chunks"):
         return engine.add_segmented_request(segments(corpus, req), params, incremental_text=False)
     order = cache_aware_order(engine, corpus, req) if mode == "exact-aware" else req.chunk_ids
     return engine.add_request(flat_prompt(corpus, order, req.question), params, "docs", incremental_text=False)
@@ -194,58 +221,113 @@ class LoadResult:
     ttft: list[float]
     output_tokens: int
     seconds: float
+    requests: int
 
 
-def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request], load: str,
-             params: SamplingParams, seed: int = 1) -> LoadResult:  # fmt: skip
-    """Serve the stream under one load; TTFT from each request's arrival time."""
-    rng = random.Random(seed)
-    if load == "offline":
-        arrivals = [0.0] * len(stream)
-    elif load == "seq":
-        arrivals = []
-    else:
-        rate, t, arrivals = float(load), 0.0, []
-        for _ in stream:
-            t += rng.expovariate(rate)
-            arrivals.append(t)
-    ttft: list[float] = []
-    out_tokens = 0
-    start = time.monotonic()
+def arrivals_for(load: str, n: int, capacity: float | None, seed: int = 1) -> list[float] | None:
+    """Arrival offsets in seconds: None for seq, zeros for offline, Poisson times for a rate."""
     if load == "seq":
+        return None
+    if load == "offline":
+        return [0.0] * n
+    rate = float(load[:-1]) * capacity if load.endswith("x") else float(load)
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request],
+             arrivals: list[float] | None, params: SamplingParams) -> LoadResult:  # fmt: skip
+    """Serve the stream; TTFT from each request's arrival time to the step that gave its first token."""
+    out_tokens = 0
+    ttft: list[float] = []
+    start = time.monotonic()
+    if arrivals is None:  # seq: one at a time
         for req in stream:
+            t0 = time.monotonic()
             rid = submit(engine, corpus, mode, req, params)
-            done = False
-            while not done:
+            first = None
+            while first is None or engine.has_unfinished_requests():
                 for u in engine.step():
                     out_tokens += len(u.new_token_ids)
-                    if u.request_id == rid and u.finished:
-                        ttft.append(u.metrics.time_to_first_token)
-                        done = True
-        return LoadResult(ttft, out_tokens, time.monotonic() - start)
-    pending = 0
-    finished = 0
+                    if u.request_id == rid and first is None and u.new_token_ids:
+                        first = time.monotonic()
+            ttft.append(first - t0)
+        return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
+    arrival_of: dict[int, float] = {}
+    pending = finished = 0
     while finished < len(stream):
         now = time.monotonic() - start
         # Queue everything that has arrived by now (arrival times are sorted).
         while pending < len(stream) and arrivals[pending] <= now:
-            submit(engine, corpus, mode, stream[pending], params)
+            arrival_of[submit(engine, corpus, mode, stream[pending], params)] = arrivals[pending]
             pending += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[pending] - now))
             continue
-        for u in engine.step():
+        updates = engine.step()
+        done_at = time.monotonic() - start
+        for u in updates:
             out_tokens += len(u.new_token_ids)
-            if u.finished:
-                finished += 1
-                # The engine's arrival is when submit ran, at most one step after the Poisson time.
-                ttft.append(u.metrics.time_to_first_token)
-    return LoadResult(ttft, out_tokens, time.monotonic() - start)
+            if u.request_id in arrival_of and u.new_token_ids:
+                ttft.append(done_at - arrival_of.pop(u.request_id))
+            finished += u.finished
+    return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
+
+
+def history_of(warm_stream: list[Request], streams: dict[str, list[Request]], load: str) -> list[Request]:
+    """What ran on a mode's engine before `load`: the warm-up, then the loads before it in order."""
+    out = list(warm_stream)
+    for name, stream in streams.items():
+        if name == load:
+            return out
+        out += stream
+    raise KeyError(load)
 
 
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
+
+
+def copy_back_vs_recompute(engine: LLMEngine, corpus: Corpus, repeats: int = 5) -> tuple[float, float, int]:
+    """Milliseconds to copy one chunk's blocks back from host memory, and to recompute its tokens.
+
+    Copy back: the host tier's own copies (HostKVBuffer.swap_in) of as many blocks as a chunk
+    fills, into free GPU blocks, timed with a device sync. Recompute: a prefill of the chunk's
+    tokens after the cached head (a first-token-only request), the same tokens as the copy.
+    """
+    runner, bm = engine.model_runner, engine.block_manager
+    blocks = corpus.sizes.chunk_tokens // bm.block_size
+    if runner.host_kv is None or runner.host_kv.blocks.shape[0] < blocks:
+        return float("nan"), float("nan"), blocks
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    if len(bm._free) < blocks:
+        return float("nan"), float("nan"), blocks
+    free = list(bm._free)[:blocks]  # never-used or released blocks: writing them disturbs no cached KV
+    copy_ms = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for slot, block in enumerate(free):
+            runner.host_kv.swap_in(slot, block)
+        sync()
+        copy_ms.append((time.perf_counter() - t) * 1e3)
+    rng = random.Random(7)
+    compute_ms = []
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for _ in range(repeats):
+        ids = corpus.head + [rng.randrange(10, 1000) for _ in range(corpus.sizes.chunk_tokens)]
+        sync()
+        t = time.perf_counter()
+        engine.add_request(ids, params, "docs", incremental_text=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync()
+        compute_ms.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(copy_ms), statistics.median(compute_ms), blocks
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,79 +357,179 @@ def make_folder(dry: bool, folder: Path | None) -> Path:
     return folder
 
 
+def engine_config(mode: str, device: str, dry: bool, gpu_blocks: int | None, host_blocks: int) -> EngineConfig:
+    base = mode.removesuffix("+host")
+    return EngineConfig(
+        device=device, dtype="bfloat16" if device == "cuda" else "float32",
+        enable_prefix_caching=base != "no-cache", kv_reuse="chunks" if base.startswith("chunks") else "exact",
+        chunk_miss="in_place" if base == "chunks-inplace" else "wait",
+        host_kv_blocks=host_blocks if mode.endswith("+host") else 0,
+        max_model_len=512 if dry else 8192, num_kv_blocks=gpu_blocks or (2048 if dry else None),
+    )  # fmt: skip
+
+
+def counters(before, after) -> dict:  # noqa: ANN001 (MetricsSnapshot)
+    def d(name: str) -> int:
+        return getattr(after, name) - getattr(before, name)
+
+    return {
+        "prefix_hit": d("prefix_cache_hit_tokens") / max(1, d("prefix_cache_queried_tokens")),
+        "chunk_hits": d("chunk_cache_hits"),
+        "chunk_misses": d("chunk_cache_misses"),
+        "host_hits": d("host_kv_hits"),
+        "computed": d("prompt_computed_tokens"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny random model and sizes: checks the script runs")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    ap.add_argument("--rates", default="2,4,8", help="Poisson arrival rates in requests/s (default 2,4,8)")
-    ap.add_argument("--loads", default="seq,rates,offline", help="which of seq, rates, offline to run")
-    ap.add_argument("--requests", type=int, default=None, help="measured requests per load (default 200; dry 12)")
-    ap.add_argument("--warmup", type=int, default=None, help="requests served first to warm each cache (default 400)")
+    ap.add_argument("--modes", default="no-cache,exact-rank,exact-aware,chunks,chunks-inplace",
+                    help=f"comma-separated, in run order; valid: {','.join(MODES)}")  # fmt: skip
+    ap.add_argument("--rates", default="0.5x,0.9x",
+                    help="Poisson rates: requests/s, or NNx = that share of no-cache's offline capacity")  # fmt: skip
+    ap.add_argument("--loads", default="seq,offline,rates", help="which of seq, offline, rates to run, in order")
+    ap.add_argument("--requests", type=int, default=None, help="measured requests per load (default 150; dry 12)")
+    ap.add_argument("--seq-requests", type=int, default=None, help="requests of the seq load (default 60; dry 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="prefill-only requests that warm each mode (default 400)")
+    ap.add_argument("--capacity", type=float, default=None, help="no-cache's requests/s, when no-cache does not run")
+    ap.add_argument("--gpu-kv-blocks", type=int, default=None, help="GPU KV pool size in blocks (default: measured)")
+    ap.add_argument("--host-kv-blocks", type=int, default=16384, help="host tier size of the +host modes, in blocks")
+    ap.add_argument("--copy-back", action="store_true", help="also time a chunk's copy back against its recompute")
     ap.add_argument("--folder", type=Path, default=None, help="reuse (or write) the random model folder here")
     args = ap.parse_args()
-    sizes = DRY if args.dry_run else ISSUE
-    n = args.requests or (12 if args.dry_run else 200)
-    warm = args.warmup if args.warmup is not None else (12 if args.dry_run else 400)
-    device = "cpu" if args.dry_run else "cuda"
-    folder = make_folder(args.dry_run, args.folder)
+    dry = args.dry_run
+    sizes = DRY if dry else ISSUE
+    n = args.requests or (12 if dry else 150)
+    n_seq = args.seq_requests or (6 if dry else 60)
+    warm = args.warmup if args.warmup is not None else (12 if dry else 400)
+    device = "cpu" if dry else "cuda"
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; valid: {', '.join(MODES)}")
-    loads = []
+    loads: list[str] = []
     for part in args.loads.split(","):
         loads += [r for r in args.rates.split(",") if r] if part == "rates" else [part]
-    vocab = 1024 if args.dry_run else 128256
+    relative = any(load.endswith("x") for load in loads)
+    if relative and args.capacity is None and modes[0] != "no-cache":
+        ap.error("relative rates (NNx) need no-cache as the first mode, or --capacity")
+    folder = make_folder(dry, args.folder)
+    vocab = 1024 if dry else 128256
     corpus = Corpus(sizes, vocab)
-    warm_stream, streams = corpus.requests(warm), {load: corpus.requests(n) for load in loads}
+    warm_stream = corpus.requests(warm)
+    streams = {load: corpus.requests(n_seq if load == "seq" else n) for load in loads}
     params = SamplingParams(max_tokens=sizes.answer_tokens, ignore_eos=True)
+    first_token = SamplingParams(max_tokens=1, ignore_eos=True)
     hw = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"# rag_kv_reuse: {hw}, {datetime.date.today()}, {sizes.num_chunks} chunks x {sizes.chunk_tokens} tokens, "
-          f"{sizes.sources} sources, {sizes.question_tokens}-token questions, {sizes.answer_tokens}-token answers, "
-          f"{n} requests per load after {warm} warm-up")  # fmt: skip
+          f"{sizes.sources} sources, {sizes.question_tokens}-token questions, {sizes.answer_tokens}-token answers; "
+          f"{warm} prefill-only warm-up requests per mode, then {n_seq} seq and {n} per other load"
+          f"{f'; GPU pool {args.gpu_kv_blocks} blocks' if args.gpu_kv_blocks else ''}", flush=True)  # fmt: skip
+    capacity = args.capacity
     results: dict[tuple[str, str], tuple[LoadResult, dict]] = {}
+    copy_back: list[tuple[str, float, float, int]] = []
     for mode in modes:
-        config = EngineConfig(
-            device=device, dtype="bfloat16" if device == "cuda" else "float32",
-            enable_prefix_caching=mode != "no-cache", kv_reuse="chunks" if mode == "chunks" else "exact",
-            max_model_len=8192 if not args.dry_run else 512, num_kv_blocks=2048 if args.dry_run else None,
-        )  # fmt: skip
-        engine = LLMEngine(folder, config)
+        engine = LLMEngine(folder, engine_config(mode, device, dry, args.gpu_kv_blocks, args.host_kv_blocks))
+        t = time.monotonic()
+        run_load(engine, corpus, mode, warm_stream, [0.0] * len(warm_stream), first_token)
+        # Decoding batches of every size once (JIT-compiled kernels, CUDA graphs): otherwise the
+        # first mode's first decoding load pays for them and its peers look faster than they are.
+        kernels = warm_stream[-min(len(warm_stream), 64) :]
+        run_load(engine, corpus, mode, kernels, [0.0] * len(kernels), params)
+        print(f"{mode}: warm-up {time.monotonic() - t:.1f} s, {engine.block_manager.num_blocks} GPU blocks",
+              flush=True)  # fmt: skip
         for load in loads:
-            engine.block_manager.reset_prefix_cache()
-            run_load(engine, corpus, mode, warm_stream, "offline", params)
+            arrivals = arrivals_for(load, len(streams[load]), capacity)
             before = engine.get_metrics()
-            result = run_load(engine, corpus, mode, streams[load], load, params)
-            after = engine.get_metrics()
-            counters = {
-                "prefix_hit": (after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
-                / max(1, after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens),
-                "chunk_hits": after.chunk_cache_hits - before.chunk_cache_hits,
-                "chunk_misses": after.chunk_cache_misses - before.chunk_cache_misses,
-                "computed": after.prompt_computed_tokens - before.prompt_computed_tokens,
-                "reused": after.chunk_reused_tokens - before.chunk_reused_tokens,
-            }
-            results[(mode, load)] = (result, counters)
+            result = run_load(engine, corpus, mode, streams[load], arrivals, first_token if load == "seq" else params)
+            results[(mode, load)] = (result, counters(before, engine.get_metrics()))
+            if mode == "no-cache" and load == "offline" and capacity is None:
+                capacity = result.requests / result.seconds
+            row = table_row(results, mode, load, corpus, warm_stream, streams, capacity)
+            print(f"  {result.seconds:.1f} s {row}", flush=True)
+        if args.copy_back and mode.endswith("+host"):
+            copy_back.append((mode, *copy_back_vs_recompute(engine, corpus)))
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| mode | load | p50 TTFT ms | p99 TTFT ms | p50 vs no-cache | output tok/s | vs no-cache | prefix hit "
-          "| chunk hits/misses | prompt tokens computed | ideal speed-up |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print_table(results, modes, loads, corpus, warm_stream, streams, capacity)
+    for mode, copy_ms, compute_ms, blocks in copy_back:
+        print(f"\ncopy back vs recompute ({mode}): one chunk's {blocks} blocks from the host tier {copy_ms:.2f} ms, "
+              f"its {sizes.chunk_tokens} tokens recomputed after the head {compute_ms:.2f} ms "
+              f"({compute_ms / copy_ms:.1f}x)")  # fmt: skip
+    print_goals(results, modes, loads, corpus, warm_stream, streams)
+
+
+TABLE_HEAD = (
+    "| mode | load | p50 TTFT ms | p99 TTFT ms | p50 vs no-cache | output tok/s | vs no-cache | prefix hit "
+    "| chunk hits/misses | host hits | prompt tokens computed | ideal speed-up |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> str:  # noqa: ANN001
+    """One markdown row; ratios against no-cache's row of the same load when it ran."""
+    base = results.get(("no-cache", load))
+    r, c = results[(mode, load)]
+    p50, p99 = percentile(r.ttft, 0.5) * 1e3, percentile(r.ttft, 0.99) * 1e3
+    tput = r.output_tokens / r.seconds
+    rel_ttft = f"{percentile(base[0].ttft, 0.5) * 1e3 / p50:.2f}x" if base else "-"
+    rel_tput = f"{tput / (base[0].output_tokens / base[0].seconds):.2f}x" if base and load != "seq" else "-"
+    ideal = ideal_speedup(corpus, history_of(warm_stream, streams, load), streams[load], mode)
+    name = f"{load} ({float(load[:-1]) * capacity:.2f}/s)" if load.endswith("x") and capacity else load
+    return (
+        f"| {mode} | {name} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
+        f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {c['host_hits']} | "
+        f"{c['computed']} | {ideal:.2f}x |"
+    )
+
+
+def print_table(results, modes, loads, corpus, warm_stream, streams, capacity) -> None:  # noqa: ANN001
+    print(f"\n{TABLE_HEAD}")
     for load in loads:
-        base = results.get(("no-cache", load))
         for mode in modes:
-            r, c = results[(mode, load)]
-            p50, p99 = percentile(r.ttft, 0.5) * 1e3, percentile(r.ttft, 0.99) * 1e3
-            tput = r.output_tokens / r.seconds
-            rel_ttft = f"{percentile(base[0].ttft, 0.5) * 1e3 / p50:.2f}x" if base else "-"
-            rel_tput = f"{tput / (base[0].output_tokens / base[0].seconds):.2f}x" if base else "-"
-            ideal = ideal_speedup(corpus, warm_stream + streams[load], mode)
-            hits = f"{c['chunk_hits']}/{c['chunk_misses']}"
-            print(f"| {mode} | {load} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
-                  f"{c['prefix_hit']:.2f} | {hits} | {c['computed']} | {ideal:.2f}x |")  # fmt: skip
-    print("\nhost tier: not built yet (issue 16.5); every mode above runs without it.")
-    print(f"mean TTFT over all loads: {statistics.fmean(t for r, _ in results.values() for t in r.ttft) * 1e3:.1f} ms")
+            print(table_row(results, mode, load, corpus, warm_stream, streams, capacity))
+    if capacity:
+        print(f"\nno-cache capacity (offline requests/s): {capacity:.2f}")
+
+
+def print_goals(results, modes, loads, corpus, warm_stream, streams) -> None:  # noqa: ANN001
+    """The issue's goals against this run (only those whose rows ran)."""
+
+    def p50(mode: str, load: str) -> float:
+        return percentile(results[(mode, load)][0].ttft, 0.5)
+
+    def tput(mode: str, load: str) -> float:
+        r = results[(mode, load)][0]
+        return r.output_tokens / r.seconds
+
+    print("\ngoals:")
+    for mode in modes:
+        if mode == "no-cache" or ("no-cache", "seq") not in results:
+            continue
+        for load in ("seq", "offline"):
+            if (mode, load) not in results:
+                continue
+            if load == "seq":
+                got = p50("no-cache", load) / p50(mode, load)
+            else:
+                got = tput(mode, load) / tput("no-cache", load)
+            ideal = ideal_speedup(corpus, history_of(warm_stream, streams, load), streams[load], mode)
+            what = "sequential TTFT" if load == "seq" else "offline throughput"
+            print(f"  {mode}: {what} {got:.2f}x of ideal {ideal:.2f}x = {got / ideal:.0%} (goal >= 80%)")
+    rates = [load for load in loads if load not in ("seq", "offline")]
+    if rates and ("no-cache", rates[-1]) in results:
+        top = rates[-1]
+        for mode in modes:
+            if mode != "no-cache":
+                print(f"  {mode}: p50 TTFT at {top} {p50('no-cache', top) / p50(mode, top):.2f}x lower than no-cache "
+                      "(goal >= 5x)")  # fmt: skip
+    for chunk_mode in ("chunks", "chunks-inplace"):
+        if ("exact-rank", rates[-1] if rates else "seq") in results and chunk_mode in modes:
+            for load in [*(["seq"] if "seq" in loads else []), *rates]:
+                print(f"  {chunk_mode}: p50 TTFT at {load} {p50('exact-rank', load) / p50(chunk_mode, load):.2f}x "
+                      "lower than exact-rank (goal >= 2x)")  # fmt: skip
 
 
 if __name__ == "__main__":
