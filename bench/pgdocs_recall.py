@@ -169,13 +169,13 @@ def main() -> None:
     parser.add_argument("--subset", type=int, metavar="N",
                         help="ingest only the questions' pages plus N other pages (quick run)")
     parser.add_argument("--k", type=int, default=5, help="hits per question (default 5)")
-    parser.add_argument("--configs", default=",".join(label for label, *_ in CONFIGS),
-                        help="comma-separated configuration labels to run (default: all; "
-                        "the dense row is the ratio's peer, '-' without it)")
+    parser.add_argument("--configs", default=";".join(label for label, *_ in CONFIGS),
+                        help="semicolon-separated configuration labels to run (labels hold commas; "
+                        "default: all; the dense row is the ratio's peer, '-' without it)")
     parser.add_argument("--show-misses", action="store_true",
                         help="list each question hybrid + rerank does not fully find, with the pages it returned")
     args = parser.parse_args()
-    chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
+    chosen = [c.strip() for c in args.configs.split(";") if c.strip()]
     unknown = sorted(set(chosen) - {label for label, *_ in CONFIGS})
     if unknown:
         parser.error(f"unknown --configs {', '.join(unknown)}; choose from: {', '.join(c[0] for c in CONFIGS)}")
