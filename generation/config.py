@@ -234,9 +234,8 @@ class EngineConfig:
             the request waits for it, then reuses it: the fewest tokens computed, but the request
             starts a step later and, under load, its compiles queue behind other prefills.
             "in_place" (the default): the request computes the chunk in its own prefill, exactly
-            (no wait), and from the chunk's second miss on its compile is queued when the request
-            finishes, so it never adds to the request's time to first token (a chunk retrieved
-            once is usually one of the many cold ones, not worth compiling).
+            (no wait), and the compile is queued behind the request from the chunk's second miss
+            on (a chunk retrieved once is usually one of the many cold ones, not worth compiling).
             On the H200 benchmark (docs/benchmarks.md) "in_place" had the lower TTFT sequentially
             and at half capacity, and the higher offline throughput.
         host_kv_blocks: size, in KV blocks, of a host-memory tier under the prefix cache (pinned

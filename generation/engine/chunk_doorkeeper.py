@@ -5,8 +5,7 @@ the chunk's canonical KV (`head ‖ chunk`, standalone) costs its tokens a secon
 traffic most distinct chunks are cold: retrieved once in a long while (RAGCache's setting: 97% of
 the chunks share 40% of the retrievals). Paying a compile for each of them would nearly double
 their cost for KV that is evicted before anyone reuses it. A popular chunk misses again soon, so
-the compile is queued from its second miss on (the doorkeeper of TinyLFU), once the request
-that missed has finished, so the compile never shares its steps.
+the compile is queued from its second miss on, the doorkeeper of TinyLFU.
 
 The doorkeeper remembers misses by a hash of the chunk's exact identity (its namespace, the
 head's namespace and tokens, its own tokens), in a bounded LRU, so a namespace's chunk is only

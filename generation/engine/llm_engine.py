@@ -143,8 +143,6 @@ class LLMEngine:
         # chunk_miss="in_place": which missed chunks are worth a compile (None: "wait" compiles every miss).
         in_place = self.chunk_planner is not None and self.config.chunk_miss == "in_place"
         self._doorkeeper = ChunkDoorkeeper() if in_place else None
-        # "in_place": the compiles a request's misses earned, queued once it finishes (or is aborted).
-        self._compiles_after: dict[int, list[tuple[PromptSegment, PromptSegment]]] = {}
 
     # ---------------------------------------------------------------------------------------------
     # Requests
@@ -229,10 +227,9 @@ class LLMEngine:
         self._requests[request.request_id] = request
         if not request.internal:
             self.metrics.on_arrival(request.request_id, request.seq.arrival_time)
-        if behind:
-            # Queued when the request finishes, so they never share its steps or add to its time
-            # to first token: the request computes these chunks in place itself.
-            self._compiles_after[request.request_id] = behind
+        for head, chunk in behind:
+            # Queued after the request, so it never delays it: the request computes the chunk in place.
+            self._compile(head, chunk)
         return request.request_id
 
     def add_segmented_request(
@@ -300,12 +297,7 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         self.metrics.on_abort(request_id)
-        self._queue_compiles_after(request_id)
         return True
-
-    def _queue_compiles_after(self, request_id: int) -> None:
-        for head, chunk in self._compiles_after.pop(request_id, ()):
-            self._compile(head, chunk)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -396,7 +388,6 @@ class LLMEngine:
         if not finished:
             return RequestUpdate(request.request_id, tokens, delta, False)
         del self._requests[request.request_id]
-        self._queue_compiles_after(request.request_id)
         if request.internal:
             self._compiles = {k: v for k, v in self._compiles.items() if v != request.request_id}
             return RequestUpdate(request.request_id, tokens, delta, True)

@@ -28,12 +28,7 @@ def drain(engine: LLMEngine) -> None:
 
 
 def serve(engine: LLMEngine, segments: list[PromptSegment]) -> torch.Tensor:
-    """The request's first logits, then whatever it queued (its compiles) run to the end."""
     logits = first_logits(engine, segments)
-    # first_logits finishes the request by hand, not through LLMEngine.step: queue its compiles as
-    # the engine does when a request finishes (the step path is tested below).
-    for request_id in list(engine._compiles_after):
-        engine._queue_compiles_after(request_id)
     drain(engine)
     return logits
 
@@ -56,31 +51,13 @@ def test_a_miss_is_computed_in_place_as_exact_mode_computes_it(tiny):
     assert planner.num_reused_tokens == 0 and planner.num_chunks_reused == 0
 
 
-def test_the_request_waits_for_nothing_and_its_compiles_run_after_it(tiny):
+def test_the_request_waits_for_nothing_and_its_compiles_queue_behind_it(tiny):
     llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
-    engine = llm.engine
-    serve(engine, MIXED)
-    request_id = engine.add_segmented_request(REORDERED, SamplingParams(max_tokens=2, ignore_eos=True))
-    waiting = list(engine.scheduler.waiting)
-    assert [s.seq_id for s in waiting] == [request_id] and not waiting[0].waits_for
-    engine.step()  # its prefill: alone, no compile shares the step
-    assert engine.scheduler.num_running == 1 and not engine.scheduler.waiting
-    assert engine.step()[0].finished  # its second token (one step per batch on the CPU)
-    assert engine.num_unfinished_requests == 3  # its three chunks' compiles, queued now
-    drain(engine)
-    planner = engine.chunk_planner
-    assert all(planner.lookup(HEAD, c) for c in (CHUNK_A, CHUNK_B, CHUNK_C))
-
-
-def test_an_aborted_request_still_queues_its_compiles(tiny):
-    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
-    engine = llm.engine
-    serve(engine, MIXED)
-    request_id = engine.add_segmented_request(REORDERED, SamplingParams(max_tokens=3, ignore_eos=True))
-    assert engine.abort(request_id)
-    assert engine.num_unfinished_requests == 3
-    drain(engine)
-    assert engine.chunk_planner.lookup(HEAD, CHUNK_B)
+    serve(llm.engine, MIXED)
+    request_id = llm.engine.add_segmented_request(REORDERED, SamplingParams(max_tokens=1, ignore_eos=True))
+    waiting = list(llm.engine.scheduler.waiting)
+    assert [s.seq_id for s in waiting][0] == request_id and not waiting[0].waits_for
+    assert len(waiting) == 4  # the three chunks' compiles, after it
 
 
 def test_compiles_start_at_the_second_miss_and_the_third_request_reuses(tiny):
