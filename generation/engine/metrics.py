@@ -66,10 +66,12 @@ class MetricsSnapshot:
     # compiles included), and tokens whose KV was copied from a cached chunk (kv_reuse="chunks").
     prompt_computed_tokens: int = 0
     chunk_reused_tokens: int = 0
-    # Chunk lookups at a request's arrival: the chunk's canonical KV was cached, or not (compiled).
+    # Chunk lookups at a request's arrival: the chunk's canonical KV was cached, or not (computed
+    # in place with chunk_miss="in_place", compiled first with "wait").
     chunk_cache_hits: int = 0
     chunk_cache_misses: int = 0
-    # Chunks computed inside the prompt instead (not block-aligned, or evicted before admission).
+    # Chunks computed inside the prompt instead (missed with "in_place", not block-aligned, or
+    # evicted before admission).
     chunks_computed_in_place: int = 0
     # Host tier (EngineConfig.host_kv_blocks; zeros when off): its size and blocks held now, GPU
     # misses it served, blocks copied out / back since start, and its own evictions.

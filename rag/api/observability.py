@@ -152,7 +152,7 @@ _ENGINE_METRICS = (
     (CounterMetricFamily, "rag_engine_chunk_cache_hits", "chunk_cache_hits",
      "retrieved chunks whose KV was cached when the request arrived"),
     (CounterMetricFamily, "rag_engine_chunk_cache_misses", "chunk_cache_misses",
-     "retrieved chunks whose KV had to be computed first"),
+     "retrieved chunks whose KV was not cached when the request arrived"),
     (GaugeMetricFamily, "rag_engine_host_kv_blocks_used", "host_kv_blocks_used",
      "KV blocks held in the host-memory tier"),
     (CounterMetricFamily, "rag_engine_host_kv_hits", "host_kv_hits",
