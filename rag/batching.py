@@ -59,14 +59,18 @@ class MicroBatcher(Generic[T, R]):
 
     def __call__(self, item: T) -> R:
         """The result for one item (blocks until its batch has run; re-raises its error)."""
-        future: Future[R] = Future()
+        return self.many([item])[0]
+
+    def many(self, items: Sequence[T]) -> list[R]:
+        """The results for several items of one caller, queued together so they share a batch."""
+        futures: list[Future[R]] = [Future() for _ in items]
         with self._cv:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            self._pending.append((item, future))
-            self.stats.num_calls += 1
+            self._pending += zip(items, futures, strict=True)
+            self.stats.num_calls += len(futures)
             self._cv.notify()
-        return future.result()
+        return [future.result() for future in futures]
 
     def close(self) -> None:
         with self._cv:
@@ -109,6 +113,10 @@ class BatchedQueryEmbedder:
 
     def __call__(self, question: str) -> np.ndarray:
         return self.batcher(question)
+
+    def many(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, dim) rows for several texts, embedded in one pass (with whatever else is queued)."""
+        return np.stack(self.batcher.many(texts))
 
     def close(self) -> None:
         self.batcher.close()

@@ -245,8 +245,10 @@ class Rag:
 
         def embed_passages(texts: Sequence[str]) -> np.ndarray:
             # The query embedder runs the embedder's plain batch function, the one ingest embeds
-            # chunks with, so feedback passages land where their stored vectors are.
-            return np.stack([embed_query(text) for text in texts])
+            # chunks with, so feedback passages land where their stored vectors are; all of them
+            # in one forward pass, not one each. (The dense leg's embed_query, which checks the
+            # collection's embedder, has run before any feedback.)
+            return self.query_embedder.many(texts)
 
         return Retriever(store, embed_query, self.batched_reranker if use_rerank else None,
                          max_per_document=self.settings.max_hits_per_document or None,  # 0: no cap

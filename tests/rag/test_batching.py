@@ -46,6 +46,22 @@ def test_concurrent_calls_share_batches_and_get_their_own_results():
         batcher.close()
 
 
+def test_one_callers_items_share_one_batch():
+    # The feedback leg embeds its 5 passages together: one forward pass, not five.
+    sizes: list[int] = []
+
+    def square(items: list[int]) -> list[int]:
+        sizes.append(len(items))
+        return [x * x for x in items]
+
+    batcher = MicroBatcher(square, max_batch=64)
+    try:
+        assert batcher.many([1, 2, 3, 4, 5]) == [1, 4, 9, 16, 25]
+        assert sizes == [5] and batcher.stats.num_calls == 5
+    finally:
+        batcher.close()
+
+
 def test_max_batch_is_respected():
     sizes: list[int] = []
 

@@ -16,11 +16,16 @@ def embedded_texts(lab_rag, monkeypatch):
     texts: list[str] = []
     real = lab_rag.query_embedder
 
-    def recording(text):
-        texts.append(text)
-        return real(text)
+    class Recording:
+        def __call__(self, text):
+            texts.append(text)
+            return real(text)
 
-    monkeypatch.setattr(lab_rag, "query_embedder", recording)
+        def many(self, batch):
+            texts.extend(batch)
+            return real.many(batch)
+
+    monkeypatch.setattr(lab_rag, "query_embedder", Recording())
     return texts
 
 
