@@ -31,6 +31,7 @@ from rag.conversation import retrieval_query_for
 from rag.errors import ConfigError, NotFoundError
 from rag.extractive import extract_answer
 from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
+from rag.ingest_lock import exclusive_ingest
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
@@ -175,18 +176,24 @@ class Rag:
         from ingest.chunk import Chunker, ChunkingConfig
 
         store = self.collection(collection, create=True)
-        chunker = Chunker(self.embedder.tokenizer, ChunkingConfig.from_dict(store.info.chunking))
-        namer = SourceNamer(self.settings.source_urls)
-        guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
         # Chunks of a document spanning several embed batches wait here (ingest/staging.py).
         staging = self.settings.home / "staging" / (
             f"{store.name}.sqlite" if shard is None else f"{store.name}.shard{shard[0]}of{shard[1]}.sqlite")
-        from ingest.embed.embedder import ingest_batch_chunks
+        ensure_private_dir(staging.parent)
+        # One ingest of this collection (or shard) at a time: another process's would share the
+        # staging file and, embedded, overwrite this one's index (rag/ingest_lock.py).
+        with exclusive_ingest(staging.with_name(staging.name + ".lock"), f"collection {store.name!r}"):
+            store.refresh()  # what a previous holder wrote
+            from ingest.embed.embedder import ingest_batch_chunks
 
-        batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
-        return IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer, guard=guard,
-                              max_document_bytes=self.settings.max_document_bytes,
-                              staging_path=staging).run(paths, progress, shard=shard)
+            chunker = Chunker(self.embedder.tokenizer, ChunkingConfig.from_dict(store.info.chunking))
+            namer = SourceNamer(self.settings.source_urls)
+            guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
+            batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
+            pipeline = IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer,
+                                      guard=guard, max_document_bytes=self.settings.max_document_bytes,
+                                      staging_path=staging)  # fmt: skip
+            return pipeline.run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:
         """Collections in which `principal` may read at least one chunk (others stay unnamed)."""
