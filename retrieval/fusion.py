@@ -15,7 +15,8 @@ RRF_K = 60  # the constant of the paper: damps the advantage of the very first r
 
 
 def reciprocal_rank_fusion(
-    rankings: Sequence[Sequence[tuple[int, float]]], k: int = RRF_K, limit: int | None = None
+    rankings: Sequence[Sequence[tuple[int, float]]], k: int = RRF_K, limit: int | None = None,
+    ties_by_first: bool = False,
 ) -> list[tuple[int, float]]:
     """Fuse rankings of (id, score), each best first, by the sum of 1 / (k + rank).
 
@@ -28,10 +29,14 @@ def reciprocal_rank_fusion(
         rankings: any number of rankings, each a best-first list of (id, score).
         k: the RRF constant, >= 0; larger values flatten the difference between ranks.
         limit: return at most this many (all when None).
+        ties_by_first: equal scores in the first ranking's order (ids it lacks after those it
+            has), then by id. Two rankings that swap two items give them equal scores, and ids
+            are only insertion order: a re-ingested collection and a fresh one number chunks
+            differently, so an id tie-break would order the same content differently.
 
     Returns:
-        (id, fused score) best first; equal scores in ascending id order, so the result
-        does not depend on the order of `rankings`.
+        (id, fused score) best first; equal scores in ascending id order (unless
+        ties_by_first), so the result does not depend on the order of `rankings`.
 
     Raises:
         ValueError: k < 0 or limit < 0.
@@ -50,7 +55,13 @@ def reciprocal_rank_fusion(
             shares.setdefault(item, []).append(1.0 / (k + rank))
     # fsum is exactly rounded, so equal rank multisets give bit-equal scores whatever the
     # order of the rankings, and the id tie-break then decides.
-    ordered = sorted(((item, math.fsum(s)) for item, s in shares.items()), key=lambda p: (-p[1], p[0]))
+    first: dict[int, int] = {}
+    if ties_by_first and rankings:
+        for rank, (item, _) in enumerate(rankings[0]):
+            first.setdefault(item, rank)
+    never = len(first)
+    ordered = sorted(((item, math.fsum(s)) for item, s in shares.items()),
+                     key=lambda p: (-p[1], first.get(p[0], never), p[0]))  # fmt: skip
     return ordered if limit is None else ordered[:limit]
 
 

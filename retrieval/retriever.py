@@ -108,7 +108,8 @@ class Retriever:
             t = time.perf_counter()
             legs.append(self.store.keyword_search(question, fetch, tokens))
             timings["keyword"] = time.perf_counter() - t
-        found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=fetch)
+        # Ties go to the first leg's order (dense when it runs): content, not chunk numbering.
+        found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=fetch, ties_by_first=True)
 
         t = time.perf_counter()
         hits = self._readable_hits(found, principal)
@@ -119,7 +120,7 @@ class Retriever:
             # Only post-checked hits feed back: unreadable text must not steer the ranking.
             passages = self.embed_passages([h.text for h in hits[:FEEDBACK_HITS]])
             legs.append(self.store.search(feedback_query(query, passages), fetch, tokens))
-            hits = self._readable_hits(reciprocal_rank_fusion(legs, limit=fetch), principal)
+            hits = self._readable_hits(reciprocal_rank_fusion(legs, limit=fetch, ties_by_first=True), principal)
             timings["feedback"] = time.perf_counter() - t
 
         if rerank and self.reranker is not None and hits:

@@ -51,6 +51,17 @@ def test_equal_rank_sets_tie_exactly_with_three_lists_in_any_order():
     assert reciprocal_rank_fusion(lists[::-1]) == fused
 
 
+def test_ties_by_first_follow_the_first_ranking_not_the_ids():
+    # Two legs that swap two items tie them exactly; the first leg's order decides, so chunks
+    # numbered differently (a re-ingested collection against a fresh one) come out alike.
+    for a, b in [(10, 7), (4, 6)]:
+        fused = reciprocal_rank_fusion([[(a, 0.9), (b, 0.8)], [(b, 1.0), (a, 0.5)]], ties_by_first=True)
+        assert [i for i, _ in fused] == [a, b] and fused[0][1] == fused[1][1]
+    # An id the first ranking lacks goes after those it has, then by id.
+    fused = reciprocal_rank_fusion([[(5, 1.0)], [(3, 1.0)], [(9, 1.0)]], ties_by_first=True)
+    assert [i for i, _ in fused] == [5, 3, 9]
+
+
 def test_limit_and_k():
     ranking = [(i, 0.0) for i in range(10)]
     assert [i for i, _ in reciprocal_rank_fusion([ranking], limit=3)] == [0, 1, 2]
