@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -120,7 +120,8 @@ class Retriever:
             # Only post-checked hits feed back: unreadable text must not steer the ranking.
             passages = self.embed_passages([h.text for h in hits[:FEEDBACK_HITS]])
             legs.append(self.store.search(feedback_query(query, passages), fetch, tokens))
-            hits = self._readable_hits(reciprocal_rank_fusion(legs, limit=fetch, ties_by_first=True), principal)
+            fused = reciprocal_rank_fusion(legs, limit=fetch, ties_by_first=True)
+            hits = self._readable_hits(fused, principal, known={h.chunk_id: h for h in hits})
             timings["feedback"] = time.perf_counter() - t
 
         if rerank and self.reranker is not None and hits:
@@ -132,11 +133,20 @@ class Retriever:
         # After the post-check: the cap only chooses among hits the principal may read.
         return RetrievalResult(hits=cap_per_document(hits, k, self.max_per_document), timings=timings)
 
-    def _readable_hits(self, found: list[tuple[int, float]], principal: Principal) -> list[Hit]:
-        """`found`'s chunks as hits, in order, without any the principal may not read."""
-        records = self.store.chunk_records([i for i, _ in found])
+    def _readable_hits(self, found: list[tuple[int, float]], principal: Principal,
+                       known: dict[int, Hit] | None = None) -> list[Hit]:
+        """`found`'s chunks as hits, in order, without any the principal may not read.
+
+        `known`: hits already fetched and post-checked (the first pass): reused with their new
+        score instead of read from the store again.
+        """
+        known = known or {}
+        records = self.store.chunk_records([i for i, _ in found if i not in known])
         hits = []
         for chunk_id, score in found:
+            if chunk_id in known:
+                hits.append(replace(known[chunk_id], score=score))
+                continue
             rec = records.get(chunk_id)
             # Post-check: drop anything the principal may not read, whatever the store said.
             if rec is None or not principal.can_read(rec.acl):

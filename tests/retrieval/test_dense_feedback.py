@@ -46,6 +46,10 @@ class RecordingLeakyStore(LeakyStore):
         self.dense_queries.append(np.asarray(query))
         return super().search(query, k, tokens, exact)
 
+    def chunk_records(self, ids):
+        self.record_reads = [*getattr(self, "record_reads", []), list(ids)]
+        return super().chunk_records(ids)
+
 
 def unit(x: np.ndarray) -> np.ndarray:
     return (x / np.linalg.norm(x)).astype(np.float32)
@@ -69,6 +73,9 @@ def test_only_readable_hits_feed_back_even_when_the_store_leaks(rerank):
     assert len(store.dense_queries) == 2 and "feedback" in result.timings
     assert not np.allclose(store.dense_queries[0], store.dense_queries[1])  # it moved
     assert {h.chunk_id for h in result.hits} == {1, 4}
+    # The second fusion reuses the first pass's post-checked hits: the store is read for new ids only.
+    first, *later = store.record_reads
+    assert all(not set(ids) & {1, 4} for ids in later)
 
 
 @pytest.mark.parametrize("mode", ["dense", "keyword"])
