@@ -16,9 +16,12 @@ from rag.errors import ConfigError
 _CONFIG_HELP = (
     "a configuration to run, as key=value pairs separated by commas (repeatable; default: the "
     "settings' hybrid + rerank). Keys: mode (dense, keyword, hybrid), rerank (on/off), k, candidates, "
-    "chunk (max tokens), overlap, title_context (on/off), embedder, store, name. E.g. --config mode=dense,rerank=off "
-    "--config mode=hybrid,k=10 --config chunk=100,overlap=16. Chunking, embedder and store "
-    "variants are built once in HOME/experiments and reused")
+    "dense_feedback (on/off: hybrid's third, pseudo-relevance-feedback leg), max_hits_per_document (at most N of "
+    "the k hits from one document; 0: no cap), chunk (max tokens), overlap, title_context (on/off), embedder, "
+    "store, name. E.g. --config mode=dense,rerank=off --config mode=hybrid,k=10 --config "
+    "mode=hybrid,dense_feedback=off,max_hits_per_document=1 --config chunk=100,overlap=16. Unset keys take the "
+    "settings' values. Retrieval keys apply per query; chunking, embedder and store variants are built once "
+    "in HOME/experiments and reused")
 
 
 def eval_command(

@@ -1,8 +1,10 @@
-"""Experiment configurations: retrieval settings (mode, rerank, k, candidates) and index settings.
+"""Experiment configurations: retrieval settings (mode, rerank, k, candidates, dense feedback,
+hits per document) and index settings.
 
 Index settings (chunk size and overlap, embedder, store) need a collection built with them;
-None means "as the Rag's own settings", so the default configuration queries the collection
-you already ingested. `parse_config` reads the CLI's `key=value,...` form.
+retrieval settings apply per query and never build anything. None means "as the Rag's own
+settings", so the default configuration queries the collection you already ingested the way
+`rag query` does. `parse_config` reads the CLI's `key=value,...` form.
 """
 
 from __future__ import annotations
@@ -12,13 +14,25 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rag.errors import ConfigError
-from rag.settings import MAX_CANDIDATES
+from rag.settings import MAX_CANDIDATES, Settings
 
 MODES = ("dense", "keyword", "hybrid")
 STORES = ("faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector")
 INDEX_FIELDS = ("chunk_max_tokens", "chunk_overlap_tokens", "chunk_title_context", "embedder", "store")
 _ALIASES = {"chunk": "chunk_max_tokens", "chunk_tokens": "chunk_max_tokens", "overlap": "chunk_overlap_tokens",
-            "title_context": "chunk_title_context"}
+            "title_context": "chunk_title_context", "feedback": "dense_feedback",
+            "max_per_document": "max_hits_per_document"}
+_BOOLEAN_FIELDS = ("rerank", "chunk_title_context", "dense_feedback")
+_INTEGER_FIELDS = ("k", "candidates", "chunk_max_tokens", "chunk_overlap_tokens", "max_hits_per_document")
+
+
+def _setting_bounds(name: str) -> tuple[int, int]:
+    """A setting's (ge, le) bounds, so a configuration accepts exactly what the setting accepts."""
+    metadata = Settings.model_fields[name].metadata
+    return (next(m.ge for m in metadata if hasattr(m, "ge")), next(m.le for m in metadata if hasattr(m, "le")))
+
+
+_MAX_HITS_BOUNDS = _setting_bounds("max_hits_per_document")  # (0, 100); 0 = no cap
 _TRUE, _FALSE = {"on", "true", "yes", "1"}, {"off", "false", "no", "0"}
 
 
@@ -32,6 +46,10 @@ class Config:
         rerank: apply the cross-encoder to the candidates.
         k: hits kept (sources given to the generator).
         candidates: hits fetched before reranking (None: the `candidates` setting).
+        dense_feedback: in hybrid mode, fuse the pseudo-relevance-feedback dense leg
+            (retrieval.feedback; None: the `dense_feedback` setting).
+        max_hits_per_document: at most this many of the k hits from one document, 0 for no cap
+            (None: the `max_hits_per_document` setting).
         chunk_max_tokens, chunk_overlap_tokens, chunk_title_context, embedder, store: index settings
             (None: the Rag's).
     """
@@ -41,6 +59,8 @@ class Config:
     rerank: bool = True
     k: int = 5
     candidates: int | None = None
+    dense_feedback: bool | None = None
+    max_hits_per_document: int | None = None
     chunk_max_tokens: int | None = None
     chunk_overlap_tokens: int | None = None
     chunk_title_context: bool | None = None
@@ -54,6 +74,14 @@ class Config:
             raise ConfigError(f"k must be between 1 and 100, got {self.k}")
         if self.candidates is not None and not 1 <= self.candidates <= MAX_CANDIDATES:
             raise ConfigError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
+        if self.dense_feedback is not None and not isinstance(self.dense_feedback, bool):
+            raise ConfigError(f"dense_feedback must be True or False (on/off), got {self.dense_feedback!r}")
+        low, high = _MAX_HITS_BOUNDS
+        if self.max_hits_per_document is not None and (
+                isinstance(self.max_hits_per_document, bool) or not isinstance(self.max_hits_per_document, int)
+                or not low <= self.max_hits_per_document <= high):
+            raise ConfigError(f"max_hits_per_document must be a whole number between {low} and {high} "
+                              f"(0: no cap), got {self.max_hits_per_document!r}")
         if self.chunk_max_tokens is not None and not 16 <= self.chunk_max_tokens <= 512:
             raise ConfigError(f"chunk_max_tokens must be between 16 and 512, got {self.chunk_max_tokens}")
         if self.chunk_overlap_tokens is not None and not 0 <= self.chunk_overlap_tokens <= 255:
@@ -68,6 +96,11 @@ class Config:
         parts = [self.mode + (" + rerank" if self.rerank else ""), f"k={self.k}"]
         if self.candidates is not None:
             parts.append(f"candidates={self.candidates}")
+        if self.dense_feedback is not None:
+            parts.append(f"dense feedback {'on' if self.dense_feedback else 'off'}")
+        if self.max_hits_per_document is not None:
+            parts.append(f"max {self.max_hits_per_document} per document" if self.max_hits_per_document
+                         else "no per-document cap")
         if self.chunk_max_tokens is not None or self.chunk_overlap_tokens is not None:
             parts.append(f"chunks={self.chunk_max_tokens or '-'}/{self.chunk_overlap_tokens or 0}")
         if self.chunk_title_context is not None:
@@ -84,7 +117,7 @@ class Config:
 
 
 def parse_config(text: str) -> Config:
-    """`mode=dense,rerank=off,k=10,chunk=100,overlap=16,name=small chunks` as a Config.
+    """`mode=dense,rerank=off,k=10,chunk=100,overlap=16,dense_feedback=off,max_hits_per_document=1` as a Config.
 
     Raises:
         ConfigError: an unknown key or a bad value, with the valid keys.
@@ -110,11 +143,11 @@ def grid(**axes: list[Any]) -> list[Config]:
 
 
 def _value(key: str, value: str) -> Any:
-    if key in ("rerank", "chunk_title_context"):
+    if key in _BOOLEAN_FIELDS:
         if value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise ConfigError(f"{key} must be on or off, got {value!r}")
-    if key in ("k", "candidates", "chunk_max_tokens", "chunk_overlap_tokens"):
+    if key in _INTEGER_FIELDS:
         try:
             return int(value)
         except ValueError:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 DEFAULT_KS = (1, 3, 5, 10)
 # Stages of a query's timings, in pipeline order; model loads are timed apart and left out.
-STAGES = ("embed", "search", "keyword", "fetch", "rerank", "queue", "generate")
+STAGES = ("embed", "search", "keyword", "fetch", "feedback", "rerank", "queue", "generate")
 
 Questions = QuestionSet | Sequence[Question] | str | Path
 
@@ -139,8 +139,11 @@ class Experiment:
              generate: bool, ks: Sequence[int]) -> dict[str, Any]:
         truth = acls.truth(q)
         candidates = config.candidates if config.candidates is not None else rag.settings.candidates
+        # Retrieval settings go with this query only: the Rag's settings (and index) stay as they are.
         answer = rag.query(q.text, q.principal, collection=name, k=config.k, generate=generate,
-                           rerank=config.rerank, mode=config.mode, candidates=candidates)
+                           rerank=config.rerank, mode=config.mode, candidates=candidates,
+                           max_hits_per_document=config.max_hits_per_document,
+                           dense_feedback=config.dense_feedback)
         ranked = [label_of(h.document_key, root) for h in answer.hits]
         relevant = truth.relevant
         grades = {s: q.grade(s) for s in relevant}
@@ -152,6 +155,11 @@ class Experiment:
             "groups": ",".join(q.groups), "mode": config.mode, "rerank": config.rerank, "k": config.k,
             # hits fetched per leg: the candidates for the reranker, else just k
             "candidates": max(config.k, candidates) if config.rerank else config.k,
+            # the values in effect (the feedback leg runs in hybrid mode only)
+            "dense_feedback": (settings.dense_feedback if config.dense_feedback is None else config.dense_feedback)
+            and config.mode == "hybrid",
+            "max_hits_per_document": (settings.max_hits_per_document if config.max_hits_per_document is None
+                                      else config.max_hits_per_document),
             "chunk_max_tokens": settings.chunk_max_tokens,
             "chunk_overlap_tokens": settings.chunk_overlap_tokens, "embedder": settings.embedder or "(default)",
             "store": settings.store, "relevant": len(relevant), "unreadable_relevant": len(truth.unreadable),
