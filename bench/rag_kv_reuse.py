@@ -19,6 +19,10 @@ random bf16 weights. In one run, for each mode:
 A mode name ending in "+host" adds the host-memory tier (--host-kv-blocks); with --gpu-kv-blocks
 the GPU pool is made small enough that the popular chunks do not fit in it, which is when the
 tier matters (with the H200's whole memory the 8B model's pool holds every popular chunk).
+A mode name ending in "+full-batches" runs every multi-step decode batch to its last step, as
+the engine did before LLMEngine.step's `arrived`: the server loop here tells the engine when a
+request has arrived, and a batch then ends after the steps already launched (the peer row that
+shows what that is worth).
 
 Each mode starts from an empty cache and is warmed once by --warmup requests of the same stream,
 prefill only (max_tokens=1: the cache holds the same prompt blocks, at a fraction of the time),
@@ -65,7 +69,13 @@ from generation.engine.prompt_segments import PromptSegment  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace")
-MODES = BASE_MODES + tuple(f"{m}+host" for m in BASE_MODES if m != "no-cache")
+SUFFIXES = ("", "+host", "+full-batches", "+host+full-batches")
+MODES = tuple(m + x for x in SUFFIXES for m in BASE_MODES if not (m == "no-cache" and "+host" in x))
+
+
+def base_mode(mode: str) -> str:
+    """The mode without its suffixes: "chunks-inplace+host" -> "chunks-inplace"."""
+    return mode.split("+", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,7 @@ def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request],
     place at its first two sightings and compiles it (once more) at the second.
     """
     s = corpus.sizes
-    mode = mode.removesuffix("+host")
+    mode = base_mode(mode)
     first_block = min(16, s.chunk_tokens)
     seen: dict = {}
     total = computed = 0
@@ -204,7 +214,7 @@ def segments(corpus: Corpus, req: Request) -> list[PromptSegment]:
 
 
 def submit(engine: LLMEngine, corpus: Corpus, mode: str, req: Request, params: SamplingParams) -> int:
-    mode = mode.removesuffix("+host")
+    mode = base_mode(mode)
     if mode.startswith("chunks"):
         return engine.add_segmented_request(segments(corpus, req), params, incremental_text=False)
     order = cache_aware_order(engine, corpus, req) if mode == "exact-aware" else req.chunk_ids
@@ -239,10 +249,12 @@ def arrivals_for(load: str, n: int, capacity: float | None, seed: int = 1) -> li
 
 
 def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request],
-             arrivals: list[float] | None, params: SamplingParams) -> LoadResult:  # fmt: skip
+             arrivals: list[float] | None, params: SamplingParams,
+             trace: StepTrace | None = None) -> LoadResult:  # fmt: skip
     """Serve the stream; TTFT from each request's arrival time to the step that gave its first token."""
     out_tokens = 0
     ttft: list[float] = []
+    full_batches = "+full-batches" in mode
     start = time.monotonic()
     if arrivals is None:  # seq: one at a time
         for req in stream:
@@ -258,6 +270,10 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
         return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
     arrival_of: dict[int, float] = {}
     pending = finished = 0
+
+    def arrived() -> bool:  # what a server's request queue tells the engine between steps
+        return pending < len(stream) and arrivals[pending] <= time.monotonic() - start
+
     while finished < len(stream):
         now = time.monotonic() - start
         # Queue everything that has arrived by now (arrival times are sorted).
@@ -267,14 +283,62 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[pending] - now))
             continue
-        updates = engine.step()
+        began = time.monotonic() - start
+        updates = engine.step(None if full_batches else arrived)
         done_at = time.monotonic() - start
+        if trace is not None:
+            ran = max((len(u.new_token_ids) for u in updates), default=0)
+            trace.steps.append((began, done_at, trace.last_batch, ran))
         for u in updates:
             out_tokens += len(u.new_token_ids)
             if u.request_id in arrival_of and u.new_token_ids:
-                ttft.append(done_at - arrival_of.pop(u.request_id))
+                arrival = arrival_of.pop(u.request_id)
+                ttft.append(done_at - arrival)
+                if trace is not None:
+                    trace.requests.append((arrival, done_at - arrival))
             finished += u.finished
     return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
+
+
+class StepTrace:
+    """--trace-slow: every engine step of a load (start, end, what was scheduled) and each request's TTFT."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[tuple[float, float, str, int]] = []
+        self.requests: list[tuple[float, float]] = []
+        self.last_batch = ""
+        schedule = engine.scheduler.schedule
+
+        def traced():  # noqa: ANN202
+            batch = schedule()
+            decodes = sum(e.is_decode for e in batch.entries)
+            prefill = sum(e.num_new_tokens for e in batch.entries if not e.is_decode)
+            self.last_batch = (f"{decodes} decodes + {len(batch.entries) - decodes} prefill runs "
+                               f"({prefill} tokens, {len(batch.kv_copies)} block copies), {batch.num_steps} steps")
+            return batch
+
+        engine.scheduler.schedule = traced
+        # Kernels Triton compiles (or loads from its disk cache) during the load: each one stalls a step.
+        self.compiles: list[str] = []
+        try:
+            import triton
+
+            def on_compile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                fn = kwargs.get("fn")
+                self.compiles.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
+
+            triton.knobs.runtime.jit_post_compile_hook = on_compile
+        except (ImportError, AttributeError):
+            pass
+
+    def report(self, worst: int = 3) -> None:
+        print(f"    Triton kernels compiled during the load: {len(self.compiles)} {sorted(set(self.compiles))}")
+        for arrival, ttft in sorted(self.requests, key=lambda r: -r[1])[:worst]:
+            window = [s for s in self.steps if s[1] > arrival and s[0] < arrival + ttft]
+            print(f"    slow request: arrived {arrival * 1e3:.0f} ms, TTFT {ttft * 1e3:.0f} ms, "
+                  f"{len(window)} steps in between:")
+            for began, ended, what, ran in sorted(window, key=lambda s: s[0] - s[1])[:4]:
+                print(f"      {(ended - began) * 1e3:.1f} ms at {began * 1e3:.0f}: {what}, ran {ran}")
 
 
 def history_of(warm_stream: list[Request], streams: dict[str, list[Request]], load: str) -> list[Request]:
@@ -358,12 +422,12 @@ def make_folder(dry: bool, folder: Path | None) -> Path:
 
 
 def engine_config(mode: str, device: str, dry: bool, gpu_blocks: int | None, host_blocks: int) -> EngineConfig:
-    base = mode.removesuffix("+host")
+    base = base_mode(mode)
     return EngineConfig(
         device=device, dtype="bfloat16" if device == "cuda" else "float32",
         enable_prefix_caching=base != "no-cache", kv_reuse="chunks" if base.startswith("chunks") else "exact",
         chunk_miss="in_place" if base == "chunks-inplace" else "wait",
-        host_kv_blocks=host_blocks if mode.endswith("+host") else 0,
+        host_kv_blocks=host_blocks if "+host" in mode else 0,
         max_model_len=512 if dry else 8192, num_kv_blocks=gpu_blocks or (2048 if dry else None),
     )  # fmt: skip
 
@@ -378,6 +442,7 @@ def counters(before, after) -> dict:  # noqa: ANN001 (MetricsSnapshot)
         "chunk_misses": d("chunk_cache_misses"),
         "host_hits": d("host_kv_hits"),
         "computed": d("prompt_computed_tokens"),
+        "stopped_early": d("num_batches_stopped_early"),
     }
 
 
@@ -396,6 +461,8 @@ def main() -> None:
     ap.add_argument("--gpu-kv-blocks", type=int, default=None, help="GPU KV pool size in blocks (default: measured)")
     ap.add_argument("--host-kv-blocks", type=int, default=16384, help="host tier size of the +host modes, in blocks")
     ap.add_argument("--copy-back", action="store_true", help="also time a chunk's copy back against its recompute")
+    ap.add_argument("--trace-slow", action="store_true",
+                    help="after each Poisson load, print the slowest requests and the longest steps while they waited")
     ap.add_argument("--folder", type=Path, default=None, help="reuse (or write) the random model folder here")
     args = ap.parse_args()
     dry = args.dry_run
@@ -442,13 +509,24 @@ def main() -> None:
         for load in loads:
             arrivals = arrivals_for(load, len(streams[load]), capacity)
             before = engine.get_metrics()
-            result = run_load(engine, corpus, mode, streams[load], arrivals, first_token if load == "seq" else params)
+            trace = StepTrace(engine) if args.trace_slow and arrivals and max(arrivals) > 0 else None
+            result = run_load(engine, corpus, mode, streams[load], arrivals, first_token if load == "seq" else params,
+                              trace)  # fmt: skip
             results[(mode, load)] = (result, counters(before, engine.get_metrics()))
             if mode == "no-cache" and load == "offline" and capacity is None:
                 capacity = result.requests / result.seconds
             row = table_row(results, mode, load, corpus, warm_stream, streams, capacity)
             print(f"  {result.seconds:.1f} s {row}", flush=True)
-        if args.copy_back and mode.endswith("+host"):
+            if trace is not None:
+                trace.report()
+                del engine.scheduler.schedule  # back to the class's method
+                try:
+                    import triton
+
+                    triton.knobs.runtime.jit_post_compile_hook = None
+                except (ImportError, AttributeError):
+                    pass
+        if args.copy_back and "+host" in mode:
             copy_back.append((mode, *copy_back_vs_recompute(engine, corpus)))
         del engine
         if device == "cuda":
@@ -463,8 +541,8 @@ def main() -> None:
 
 TABLE_HEAD = (
     "| mode | load | p50 TTFT ms | p99 TTFT ms | p50 vs no-cache | output tok/s | vs no-cache | prefix hit "
-    "| chunk hits/misses | host hits | prompt tokens computed | ideal speed-up |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| chunk hits/misses | host hits | prompt tokens computed | batches stopped early | ideal speed-up |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -481,7 +559,7 @@ def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> st
     return (
         f"| {mode} | {name} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
         f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {c['host_hits']} | "
-        f"{c['computed']} | {ideal:.2f}x |"
+        f"{c['computed']} | {c['stopped_early']} | {ideal:.2f}x |"
     )
 
 

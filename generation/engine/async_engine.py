@@ -170,7 +170,7 @@ class AsyncLLMEngine:
                     engine.add(request)
                 for request_id in aborts:
                     engine.abort(request_id)
-                updates = engine.step() if engine.has_unfinished_requests() else []
+                updates = engine.step(self._addition_waiting) if engine.has_unfinished_requests() else []
             except BaseException as exc:  # noqa: BLE001 - every consumer must hear of it, then the thread ends
                 logger.exception("generation engine step failed")
                 self._fail(exc)
@@ -178,6 +178,14 @@ class AsyncLLMEngine:
             for update in updates:
                 self._deliver(update)
         self._fail(GenerationError("the generation engine was shut down"))
+
+    def _addition_waiting(self) -> bool:
+        """A request is queued for the step thread to add: the running batch may end early for it.
+
+        Read without the lock (a list's truth is one atomic read): a stale answer costs one
+        step either way, and taking the lock between steps would make the submitters wait.
+        """
+        return bool(self._pending_adds)
 
     def _deliver(self, update: RequestUpdate) -> None:
         with self._cv:

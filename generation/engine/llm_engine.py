@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,12 +335,20 @@ class LLMEngine:
     # A step
     # ---------------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestUpdate]:
+    def step(self, arrived: Callable[[], bool] | None = None) -> list[RequestUpdate]:
         """Schedule a batch, run its model step(s) and account for them; one update per request that sampled.
 
         A batch of several steps (EngineConfig.num_scheduler_steps) gives each request the tokens
         of all its steps up to its stop at once. Each step's tokens are checked for stops while
-        the device runs the steps after it.
+        the device runs the step after it.
+
+        Args:
+            arrived: the caller's "a new request is ready to be added", asked between the steps
+                of a multi-step batch. When it says so and the batch has room for another
+                sequence, the batch ends after the steps already launched, so that the caller
+                adds the request and the next step prefills it: it waits a step or two instead
+                of up to num_scheduler_steps (without it, a batch of 8 decode steps made a new
+                request's time to first token at least that long under load).
 
         Raises:
             GenerationError: a request needs more KV blocks than the whole cache has.
@@ -350,11 +359,19 @@ class LLMEngine:
         requests = [self._requests[e.seq.seq_id] for e in batch.sampling_entries]
         kept: list[list[int]] = [[] for _ in requests]
         live = list(range(len(requests)))
+        stop_early = None
+        if arrived is not None and batch.num_steps > 1 and self.scheduler.num_running < self.config.max_num_seqs:
+            stop_early = arrived
         steps = self.model_runner.execute(
-            batch, [r.output_state.params for r in requests], [r.output_state.generator for r in requests]
+            batch,
+            [r.output_state.params for r in requests],
+            [r.output_state.generator for r in requests],
+            stop_early,
         )
         on_token = self.metrics.on_token
+        num_run = 0
         for tokens in steps:  # internal requests have no arrival, so on_token ignores them
+            num_run += 1
             now = time.monotonic()
             still: list[int] = []
             for row in live:
@@ -367,7 +384,11 @@ class LLMEngine:
                     still.append(row)
             live = still
             if not live:
-                break  # every request stopped: the remaining steps' tokens are discarded
+                break  # every request stopped: nothing more is launched
+        if live and num_run < batch.num_steps:
+            # Requests still live and steps left: the batch stopped for an arrival.
+            self.metrics.num_batches_stopped_early += 1
+            self.metrics.num_steps_skipped += batch.num_steps - num_run
         sampled: dict[int, list[int]] = {}
         for request, tokens in zip(requests, kept, strict=True):
             # The scheduler frees a sequence whose stop logic (EOS, stop strings) finished it.

@@ -81,6 +81,10 @@ class MetricsSnapshot:
     host_kv_swapped_out: int = 0
     host_kv_swapped_in: int = 0
     host_kv_evictions: int = 0
+    # Multi-step decode batches ended before their planned last step so that a waiting request
+    # could join (LLMEngine.step's stop_early), and the planned steps that were not run.
+    num_batches_stopped_early: int = 0
+    num_steps_skipped: int = 0
 
 
 class _RequestTimes:
@@ -109,6 +113,8 @@ class EngineMetrics:
         self._itl: deque[float] = deque(maxlen=window)
         self.num_requests_finished = 0
         self.num_generated_tokens = 0
+        self.num_batches_stopped_early = 0
+        self.num_steps_skipped = 0
 
     def on_arrival(self, request_id: int, now: float) -> None:
         self._requests[request_id] = _RequestTimes(now)
@@ -178,6 +184,8 @@ class EngineMetrics:
             chunk_cache_misses=planner.num_chunk_misses if planner is not None else 0,
             chunks_computed_in_place=planner.num_chunks_in_place if planner is not None else 0,
             **_host_tier_counters(bm.host_tier),
+            num_batches_stopped_early=self.num_batches_stopped_early,
+            num_steps_skipped=self.num_steps_skipped,
         )
 
 

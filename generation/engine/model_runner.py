@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.layers.attention import AttentionMetadata, KVCache
 from generation.layers.kernel_choice import triton_fused_for
+from generation.layers.kernel_warmup import compile_attention_variants
 from generation.layers.linear import Linear
 from generation.layers.paged_attention import attention_backend
 from generation.layers.rerotation import rerotate_keys
@@ -30,6 +31,11 @@ from generation.sampling_params import SamplingParams
 from rag.errors import ModelError
 
 logger = logging.getLogger(__name__)
+
+# Steps of a multi-step batch queued on the device past the one the host is reading. One is
+# enough to keep the device busy (a launch takes far less host time than a decode step takes the
+# device), and it bounds how many steps still run once the batch is told to stop.
+LAUNCH_AHEAD = 1
 
 
 @dataclass
@@ -48,6 +54,17 @@ class StepInputs:
     prefill_graph: bool = False
 
 
+@dataclass
+class _BatchRun:
+    """What launching a multi-step batch's later steps needs: the last step's sampled tokens (on the device)."""
+
+    num_rows: int
+    tokens: torch.Tensor
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    greedy: bool
+
+
 class ModelRunner:
     """Loads a model and runs scheduled batches over a paged KV cache.
 
@@ -56,10 +73,12 @@ class ModelRunner:
     prefill steps replay CUDA graphs (logits included) unless `enforce_eager`. On CPU the pool is
     `num_kv_blocks` or a modest default, and everything runs eagerly through the torch reference.
 
-    A batch of several steps (ScheduledBatch.num_steps) runs them all before the host waits for
-    anything: each later step is a decode of every entry whose input token is the one the step
-    before sampled, moved into place on the device (DecodeInputs.advance). The host then reads
-    each step's tokens as that step completes, so its processing overlaps the steps still running.
+    A batch of several steps (ScheduledBatch.num_steps) keeps LAUNCH_AHEAD steps queued past the
+    one the host reads: each later step is a decode of every entry whose input token is the one
+    the step before sampled, moved into place on the device (DecodeInputs.advance), so the host
+    never waits for a token to launch the next step. It reads each step's tokens as that step
+    completes, its processing overlapping the step after, and a batch can stop early (every
+    entry finished, or a request waiting to join) without running the steps nobody would read.
 
     Args:
         model_dir: a local Hugging Face model folder.
@@ -128,6 +147,12 @@ class ModelRunner:
         self._step_done = [torch.cuda.Event() for _ in range(self.num_scheduler_steps)] if cuda else []
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        if cuda and attention_backend(self.device) == "triton":
+            # Now, not at the first step of a shape that needs one: a compile stalls a step for seconds.
+            compile_attention_variants(
+                self.kv_caches[0][0], self.kv_caches[0][1], self.model_config.num_attention_heads,
+                config.max_num_seqs, self.max_blocks_per_seq, config.max_num_batched_tokens,
+            )  # fmt: skip
         if cuda and not config.enforce_eager:
             if attention_backend(self.device) != "triton":
                 # The torch reference stores KV through a boolean mask (a host sync): not capturable.
@@ -152,27 +177,44 @@ class ModelRunner:
     # ---------------------------------------------------------------------------------------------
 
     def execute(
-        self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        batch: ScheduledBatch,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        stop_early: Callable[[], bool] | None = None,
     ) -> Iterator[list[int]]:
         """Run the batch's steps; yield each step's sampled tokens, one per sampling entry in entry order.
 
-        Every step is launched before the first token is read: reading step j waits for step j
-        alone, so what the caller does with it overlaps the steps after it. Leaving the iterator
-        early is fine: the remaining steps finish on the device and their tokens are dropped.
+        Steps are launched LAUNCH_AHEAD ahead of the one the host reads: reading step j waits
+        for step j alone, so what the caller does with it overlaps the step after it, and the
+        batch can end early without the device running steps nobody reads. Leaving the iterator
+        early launches nothing more (the steps already queued finish and their tokens are dropped).
 
         Args:
             batch: the scheduler's batch (num_steps > 1 only when every entry samples).
             params, generators: one per sampling entry (batch.sampling_entries), in that order.
+            stop_early: asked before each later step is launched; True ends the batch after the
+                steps already launched (a request is waiting to join: the scheduler gets it in
+                sooner than the batch's last step). The iterator then yields fewer than num_steps.
         """
         assert batch.num_steps <= self.num_scheduler_steps
         with torch.inference_mode():
-            num_rows = self._launch(batch, params, generators)
-        if num_rows == 0:
+            run = self._launch_first(batch, params, generators)
+        if run is None:
             return
-        for step in range(batch.num_steps):
+        num_steps, launched, step = batch.num_steps, 1, 0
+        while step < launched:
+            while launched < num_steps and launched <= step + LAUNCH_AHEAD:
+                if stop_early is not None and stop_early():
+                    num_steps = launched  # nothing more is launched; the queued steps are still read
+                    break
+                with torch.inference_mode():
+                    self._launch_next(run, launched)
+                launched += 1
             if self._step_done:
                 self._step_done[step].synchronize()
-            yield self._sampled_np[step, :num_rows].tolist()
+            yield self._sampled_np[step, : run.num_rows].tolist()
+            step += 1
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -204,31 +246,31 @@ class ModelRunner:
                 kv[:, 1, dst] = kv[:, 1, src]
                 kv[:, 0, dst] = rerotate_keys(kv[:, 0, src], inv_freq, delta)
 
-    def _launch(
+    def _launch_first(
         self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> int:
-        """Queue every step of the batch on the device; returns the rows each step samples."""
+    ) -> _BatchRun | None:
+        """Queue the batch's first step on the device; None when no entry samples."""
         self.copy_kv_blocks(batch.kv_copies)
         inputs = self.prepare_inputs(batch)
         logits = self.step_logits(inputs)
         num_rows = logits.shape[0]
         if num_rows == 0:
-            return 0
+            return None
         greedy = all(p.is_greedy for p in params)
         tokens = self._pick(logits, params, generators, greedy)
         self._publish(0, tokens)
-        if batch.num_steps == 1:
-            return num_rows
-        if not inputs.is_decode:
+        if batch.num_steps > 1 and not inputs.is_decode:
             # A prefill step came first: lay out every entry at the last token it fed, so that
             # advancing moves each row to the token just sampled.
             self._write_decode(batch.entries)
-        for step in range(1, batch.num_steps):
-            self.decode_inputs.advance(tokens)
-            logits = self.step_logits(self._decode_step_inputs())
-            tokens = self._pick(logits, params, generators, greedy)
-            self._publish(step, tokens)
-        return num_rows
+        return _BatchRun(num_rows, tokens, params, generators, greedy)
+
+    def _launch_next(self, run: _BatchRun, step: int) -> None:
+        """Queue decode step `step` of a multi-step batch, fed the tokens the step before sampled."""
+        self.decode_inputs.advance(run.tokens)
+        logits = self.step_logits(self._decode_step_inputs())
+        run.tokens = self._pick(logits, run.params, run.generators, run.greedy)
+        self._publish(step, run.tokens)
 
     def _pick(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], greedy: bool

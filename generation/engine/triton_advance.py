@@ -12,11 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+_ROWS = 128  # rows per program
+
 # One launch instead of the eight small torch ops of DecodeInputs.advance's CPU form: between the
 # steps of a multi-step batch the GPU would otherwise spend more time on launches than on the work.
 
 
-@triton.jit
+# Integer arguments are not specialised (Triton compiles a variant per "== 1" and "% 16 == 0" of
+# each one by default): a batch size or table width not seen before must not compile a kernel, a
+# second-long stall, in the middle of serving.
+@triton.jit(do_not_specialize=["num_rows", "bs", "width"])
 def _advance_kernel(buffer_ptr, tokens_ptr, num_rows, bs, width, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < num_rows
@@ -38,7 +43,7 @@ def advance_decode_rows(
 ) -> None:
     """DecodeInputs.advance on a CUDA buffer: rows < num_rows of the bs-row layout, `width` block columns."""
     assert buffer.dtype == torch.int64 and tokens.dtype == torch.int64 and tokens.is_contiguous()
-    block = min(1024, triton.next_power_of_2(num_rows))
-    _advance_kernel[(triton.cdiv(num_rows, block),)](
-        buffer, tokens, num_rows, bs, width, BLOCK_SIZE=block_size, BLOCK=block
+    # One block size for every batch: a power of two per batch size would be a variant each.
+    _advance_kernel[(triton.cdiv(num_rows, _ROWS),)](
+        buffer, tokens, num_rows, bs, width, BLOCK_SIZE=block_size, BLOCK=_ROWS
     )

@@ -100,7 +100,9 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 # num_seqs is not specialised: as the constant 1 it would break the loop-carried type in _find_sequence.
-@triton.jit(do_not_specialize=["num_seqs"])
+# The other per-step integers are not either, so that a new step shape compiles nothing (see
+# _decode_kernel).
+@triton.jit(do_not_specialize=["num_seqs", "tokens_per_split", "num_splits", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -21,7 +21,11 @@ DECODE_SPLIT_TARGET = 4
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised: by default Triton compiles
+# a variant for each "== 1" and "% 16 == 0" pattern of them, so a split count or table width seen
+# for the first time while serving stalled that step for a second or more (bench/rag_kv_reuse.py
+# --trace-slow showed 1.4-2.5 s steps). What still varies (SPLIT, BLOCK_S) is compiled at start.
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -102,7 +106,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_reduce_kernel(
     out_ptr,
     part_m_ptr,

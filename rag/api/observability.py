@@ -141,6 +141,8 @@ _ENGINE_METRICS = (
      "prompt tokens served from the prefix cache"),  # vllm:prefix_cache_hits (tokens)
     (CounterMetricFamily, "rag_engine_num_preemptions", "num_preemptions",
      "sequences preempted for KV blocks"),  # vllm:num_preemptions
+    (CounterMetricFamily, "rag_engine_batches_stopped_early", "num_batches_stopped_early",
+     "multi-step decode batches ended early so that a waiting request could join"),
     (CounterMetricFamily, "rag_engine_request_success", "num_requests_finished",
      "requests the engine finished"),  # vllm:request_success
     (CounterMetricFamily, "rag_engine_generation_tokens", "num_generated_tokens",
