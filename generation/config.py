@@ -214,8 +214,10 @@ class EngineConfig:
         num_scheduler_steps: most model steps per scheduled batch: when every request in a step
             samples, the batch goes on decoding on the device, each step fed the last one's tokens,
             and the host schedules, syncs and post-processes once per batch (tokens then reach
-            streams in bursts, and a new request waits up to this many steps to join). None gives
-            8 on CUDA, where it hides the host's per-step work, and 1 on CPU. Range >= 1.
+            streams in bursts). A batch stops early when every request in it ended, or when the
+            caller of `LLMEngine.step` says a request is waiting (the service does): a new request
+            then waits a step or two to join, not the whole batch. None gives 8 on CUDA, where it
+            hides the host's per-step work, and 1 on CPU. Range >= 1.
         dtype: "float32", "float16", "bfloat16" (or the torch dtype); None gives bf16 on CUDA
             and fp32 on CPU.
         device: "cuda", "cuda:1", "cpu"; None picks CUDA when available.

@@ -153,6 +153,10 @@ class ModelRunner:
                 self.kv_caches[0][0], self.kv_caches[0][1], self.model_config.num_attention_heads,
                 config.max_num_seqs, self.max_blocks_per_seq, config.max_num_batched_tokens,
             )  # fmt: skip
+            from generation.engine.triton_advance import advance_decode_rows
+
+            scratch = torch.zeros(5, dtype=torch.int64, device=self.device)  # one row, one block column
+            advance_decode_rows(scratch, scratch[:1].clone(), 1, 1, 1, self.block_size)  # compiles it
         if cuda and not config.enforce_eager:
             if attention_backend(self.device) != "triton":
                 # The torch reference stores KV through a boolean mask (a host sync): not capturable.

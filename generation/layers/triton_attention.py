@@ -102,7 +102,8 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 # num_seqs is not specialised: as the constant 1 it would break the loop-carried type in _find_sequence.
 # The other per-step integers are not either, so that a new step shape compiles nothing (see
 # _decode_kernel).
-@triton.jit(do_not_specialize=["num_seqs", "tokens_per_split", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "tokens_per_split", "num_splits", "stride_bt",
+                               "cu_seqlens_ptr", "context_lens_ptr", "block_tables_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -25,7 +25,7 @@ DECODE_SPLIT_TARGET = 4
 # a variant for each "== 1" and "% 16 == 0" pattern of them, so a split count or table width seen
 # for the first time while serving stalled that step for a second or more (bench/rag_kv_reuse.py
 # --trace-slow showed 1.4-2.5 s steps). What still varies (SPLIT, BLOCK_S) is compiled at start.
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "stride_bt", "context_lens_ptr", "block_tables_ptr"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
