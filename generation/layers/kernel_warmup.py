@@ -1,12 +1,13 @@
 """Compile, at start, every variant of the Triton attention kernels that a step can need.
 
 Triton compiles a kernel the first time it meets a new combination of constexpr values. The
-attention kernels' integers are not specialised (do_not_specialize), but two constexprs still
-follow the step's shape: SPLIT (whether the keys are split over programs) and the reduce kernel's
-BLOCK_S (the split count rounded up to a power of two). Serving met them one at a time, and each
-new one stalled its step for a second or more while every waiting request queued behind it. The
-split decision depends only on shapes (batch size, table width, new tokens), so walking those
-shapes in powers of two reaches every variant; one tiny launch per variant compiles it.
+attention kernels' integers and index pointers are not specialised (do_not_specialize), but two
+constexprs still follow the step's shape: SPLIT (whether the keys are split over programs) and
+the reduce kernel's BLOCK_S (the split count rounded up to a power of two). Serving met them one
+at a time, and each new one stalled its step for a second or more while every waiting request
+queued behind it (bench/rag_kv_reuse.py --trace-slow). The split count depends only on shapes
+(attention_splits.py), so a walk over shapes finds one shape per variant; one tiny launch each
+compiles them all.
 """
 
 from __future__ import annotations
@@ -16,10 +17,24 @@ import time
 
 import torch
 
+from generation.layers.attention_splits import (
+    PREFILL_SPLIT_MAX_TOKENS,
+    decode_num_splits,
+    prefill_num_splits,
+    prefill_tile,
+)
+
 logger = logging.getLogger(__name__)
 
+Variant = tuple[bool, int]  # (SPLIT, BLOCK_S)
 
-def _dense_then_doubling(limit: int, dense: int) -> list[int]:
+
+def variant_of(num_splits: int) -> Variant:
+    """The constexprs a split count selects: SPLIT and the reduce kernel's BLOCK_S."""
+    return num_splits > 1, 1 << max(0, num_splits - 1).bit_length()
+
+
+def dense_then_doubling(limit: int, dense: int) -> list[int]:
     """1..min(dense, limit), then doublings up to limit (included)."""
     out = list(range(1, min(dense, limit) + 1))
     while out[-1] < limit:
@@ -27,9 +42,42 @@ def _dense_then_doubling(limit: int, dense: int) -> list[int]:
     return out
 
 
-def _variant(num_splits: int) -> tuple[bool, int]:
-    """The constexprs a split count selects: SPLIT and the reduce kernel's BLOCK_S."""
-    return num_splits > 1, 1 << max(0, num_splits - 1).bit_length()
+def variant_shapes(
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_blocks_per_seq: int,
+    max_prefill_tokens: int,
+    device: torch.device,
+) -> tuple[dict[Variant, tuple[int, int]], dict[Variant, tuple[int, int]]]:
+    """One shape per kernel variant: ({variant: (batch, table width)} of decode, {variant: (new
+    tokens, table width)} of prefill).
+
+    The split count changes quickly at small batches, token counts and widths, and slowly past
+    them (it is capped near DECODE_SPLIT_TARGET programs per SM), so the walk is dense there and
+    in doublings beyond: ~10^5 evaluations, well under a second. tests/generation/
+    test_kernel_warmup.py checks it against an exhaustive walk.
+    """
+    max_prefill_tokens = min(max_prefill_tokens, max_blocks_per_seq * block_size)
+    widths = dense_then_doubling(max_blocks_per_seq, dense=1024)
+    decodes: dict[Variant, tuple[int, int]] = {}
+    for batch in dense_then_doubling(max_num_seqs, dense=32):
+        for width in widths:
+            splits, _ = decode_num_splits(batch, num_kv_heads, width * block_size, device)
+            decodes.setdefault(variant_of(splits), (batch, width))
+    _, block_q = prefill_tile(num_heads // num_kv_heads)
+    prefills: dict[Variant, tuple[int, int]] = {}
+    # Past PREFILL_SPLIT_MAX_TOKENS new tokens a prefill never splits: one more count covers them.
+    split_max = min(PREFILL_SPLIT_MAX_TOKENS + 1, max_prefill_tokens)
+    for tokens in sorted({*range(1, min(16, split_max) + 1), *range(8, split_max + 1, 8), split_max}):
+        programs = (tokens // block_q + 1) * num_kv_heads
+        for width in widths:
+            if width * block_size < tokens:
+                continue  # a step's table always holds its new tokens
+            splits, _ = prefill_num_splits(tokens, programs, width * block_size, device)
+            prefills.setdefault(variant_of(splits), (tokens, width))
+    return decodes, prefills
 
 
 @torch.inference_mode()
@@ -41,7 +89,7 @@ def compile_attention_variants(
     max_blocks_per_seq: int,
     max_prefill_tokens: int,
 ) -> int:
-    """Launch decode and prefill attention once per kernel variant; returns the launches made.
+    """Launch decode and prefill attention once per kernel variant (CUDA); returns the launches made.
 
     Args:
         k_cache, v_cache: one layer's cache ([blocks, block_size, kv_heads, head_dim]); only read.
@@ -56,31 +104,10 @@ def compile_attention_variants(
     started = time.monotonic()
     device, dtype = k_cache.device, k_cache.dtype
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = num_heads // num_kv_heads
     scale = head_dim**-0.5
-    max_prefill_tokens = min(max_prefill_tokens, max_blocks_per_seq * block_size)
-    # Every shape's variant is a cheap function of the shape: find one shape per variant, then
-    # launch only those. The split count changes quickly at small batches, token counts and
-    # widths and slowly past them (it is capped near DECODE_SPLIT_TARGET programs per SM), so
-    # the walk is dense there and in powers of two beyond: ~10^5 evaluations, under a second.
-    widths = _dense_then_doubling(max_blocks_per_seq, dense=1024)
-    decodes: dict[tuple[bool, int], tuple[int, int]] = {}
-    for batch in _dense_then_doubling(max_num_seqs, dense=32):
-        for width in widths:
-            splits, _ = triton_decode.decode_num_splits(batch, num_kv_heads, width * block_size, device)
-            decodes.setdefault(_variant(splits), (batch, width))
-    block_m = max(triton_attention._PREFILL_ROWS, 1 << max(0, group - 1).bit_length())
-    block_q = block_m // group
-    prefills: dict[tuple[bool, int], tuple[int, int]] = {}
-    # Past _PREFILL_SPLIT_MAX_TOKENS new tokens a prefill never splits: one more count covers them.
-    split_max = min(triton_attention._PREFILL_SPLIT_MAX_TOKENS + 1, max_prefill_tokens)
-    for tokens in sorted({*range(1, min(16, split_max) + 1), *range(8, split_max + 1, 8), split_max}):
-        for width in widths:
-            if width * block_size < tokens:
-                continue  # a step's table always holds its new tokens
-            programs = (tokens // block_q + 1) * num_kv_heads
-            splits, _ = triton_attention.prefill_num_splits(tokens, programs, width * block_size, device)
-            prefills.setdefault(_variant(splits), (tokens, width))
+    decodes, prefills = variant_shapes(
+        num_heads, num_kv_heads, block_size, max_num_seqs, max_blocks_per_seq, max_prefill_tokens, device
+    )
     for batch, width in decodes.values():
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
@@ -92,8 +119,8 @@ def compile_attention_variants(
         lens = torch.tensor([tokens], dtype=torch.int32, device=device)
         tables = torch.zeros(1, width, dtype=torch.int32, device=device)
         triton_attention.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, scale)
-    launches = len(decodes) + len(prefills)
     torch.cuda.synchronize(device)
+    launches = len(decodes) + len(prefills)
     elapsed = time.monotonic() - started
     logger.info("compiled the attention kernels' variants (%d launches) in %.1f s", launches, elapsed)
     return launches

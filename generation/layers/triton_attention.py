@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, num_sms, prepare_attention_inputs
+from generation.layers.attention_splits import PREFILL_KEYS as _PREFILL_KEYS
+from generation.layers.attention_splits import prefill_num_splits, prefill_tile
+from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, prepare_attention_inputs
 from generation.layers.triton_decode import (  # noqa: F401  (the backend's decode entry points)
     DECODE_SPLIT_TARGET,
     decode_num_splits,
@@ -18,13 +18,6 @@ from generation.layers.triton_decode import (  # noqa: F401  (the backend's deco
 
 # Same API and cache layout as generation.layers.paged_attention, which imports this module only
 # for CUDA tensors.
-
-_PREFILL_ROWS = 128  # query rows (token, head) per prefill program
-_PREFILL_KEYS = 64  # keys per prefill iteration
-# Prefill steps of at most this many tokens may split their keys over programs (see prefill_num_splits).
-_PREFILL_SPLIT_MAX_TOKENS = 512
-_PREFILL_MAX_SPLITS = 16
-
 
 # --------------------------------------------------------------------------------------------------
 # store_kvcache
@@ -102,8 +95,11 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 # num_seqs is not specialised: as the constant 1 it would break the loop-carried type in _find_sequence.
 # The other per-step integers are not either, so that a new step shape compiles nothing (see
 # _decode_kernel).
-@triton.jit(do_not_specialize=["num_seqs", "tokens_per_split", "num_splits", "stride_bt",
-                               "cu_seqlens_ptr", "context_lens_ptr", "block_tables_ptr"])
+_UNSPECIALISED = ["num_seqs", "tokens_per_split", "num_splits", "stride_bt", "cu_seqlens_ptr", "context_lens_ptr",
+                  "block_tables_ptr"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -232,8 +228,7 @@ def paged_prefill_attention(
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m = max(_PREFILL_ROWS, triton.next_power_of_2(group))
-    block_q = block_m // group
+    block_m, block_q = prefill_tile(group)
     # Tile i of sequence s is program cu_seqlens[s] // block_q + s + i: at most this many programs.
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     num_splits, tokens_per_split = prefill_num_splits(
@@ -267,19 +262,3 @@ def paged_prefill_attention(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
         )  # fmt: skip
     return out
-
-
-def prefill_num_splits(num_tokens: int, programs: int, max_context: int, device: torch.device) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) for a prefill launch of `programs` (tile, KV head) programs.
-
-    A few hundred new tokens over a long cached prefix (a question after its cached documents)
-    make few programs, each walking the whole context: split the keys over programs as decode
-    does. Larger steps fill the GPU unsplit. Depends only on shapes, so CUDA graphs can capture it.
-    """
-    chunks = max(1, math.ceil(max_context / _PREFILL_KEYS))
-    if num_tokens > _PREFILL_SPLIT_MAX_TOKENS:
-        return 1, chunks * _PREFILL_KEYS
-    wanted = math.ceil(DECODE_SPLIT_TARGET * num_sms(device) / max(1, programs))
-    num_splits = max(1, min(chunks, wanted, _PREFILL_MAX_SPLITS))
-    tokens_per_split = math.ceil(chunks / num_splits) * _PREFILL_KEYS
-    return math.ceil(max_context / tokens_per_split), tokens_per_split

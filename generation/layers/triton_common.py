@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -64,10 +62,3 @@ def prepare_attention_inputs(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     return q, out, block_size, num_kv_heads, group
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's CPU interpreter (TRITON_INTERPRET=1): assume an H100/H200
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count

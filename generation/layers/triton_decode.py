@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, num_sms, prepare_attention_inputs
-
-_DECODE_KEYS = 64  # keys per decode iteration
-# Aim for this many decode programs per SM before splitting the context. Measured on an H200, batch 1,
-# Llama-8B heads: 4 gave 39 us at a 32k context against 48 us with 2, the same at 512 and 4096 tokens.
-DECODE_SPLIT_TARGET = 4
-
+from generation.layers.attention_splits import DECODE_KEYS as _DECODE_KEYS
+from generation.layers.attention_splits import DECODE_SPLIT_TARGET, decode_num_splits  # noqa: F401
+from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, prepare_attention_inputs
 
 # --------------------------------------------------------------------------------------------------
 # Decode: split-K (flash-decoding) over the context, then a reduce across splits
@@ -138,19 +132,6 @@ def decode_reduce_kernel(
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)  # fmt: skip
-
-
-def decode_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) for a decode launch.
-
-    Splits only when batch * KV heads programs would leave SMs idle, and never below one key tile
-    per split. Depends only on shapes (never on context_lens), so CUDA graphs can capture it.
-    """
-    chunks = max(1, math.ceil(max_tokens / _DECODE_KEYS))
-    wanted = math.ceil(DECODE_SPLIT_TARGET * num_sms(device) / max(1, batch * num_kv_heads))
-    num_splits = max(1, min(chunks, wanted))
-    tokens_per_split = math.ceil(chunks / num_splits) * _DECODE_KEYS
-    return math.ceil(max_tokens / tokens_per_split), tokens_per_split
 
 
 def paged_decode_attention(
