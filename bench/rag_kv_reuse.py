@@ -368,9 +368,9 @@ def copy_back_vs_recompute(engine: LLMEngine, corpus: Corpus, repeats: int = 5) 
     if runner.host_kv is None or runner.host_kv.blocks.shape[0] < blocks:
         return float("nan"), float("nan"), blocks
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    if len(bm._free) < blocks:
+    free = bm.scratch_blocks(blocks)  # writing them disturbs no cached KV
+    if len(free) < blocks:
         return float("nan"), float("nan"), blocks
-    free = list(bm._free)[:blocks]  # never-used or released blocks: writing them disturbs no cached KV
     copy_ms = []
     for _ in range(repeats):
         sync()

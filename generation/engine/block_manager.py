@@ -67,6 +67,15 @@ class BlockManager:
         evictable = self._cache.num_evictable_blocks if self._cache is not None else 0
         return len(self._free) + evictable
 
+    def scratch_blocks(self, n: int) -> list[int]:
+        """Up to n free blocks that hold no cached KV (never used, or released unpublished).
+
+        For measurements that write KV blocks outside any request (bench/rag_kv_reuse.py
+        --copy-back): writing them disturbs no cached prefix, and no request holds them. They stay
+        free; the next allocation may take them.
+        """
+        return list(self._free)[: max(0, n)]
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks

@@ -179,3 +179,21 @@ def test_random_operations_keep_refcounts_and_kv_content_right(enable_prefix_cac
         assert bm.num_hit_tokens > 0 and evictions > 0  # the run exercised sharing and eviction
     else:
         assert bm.num_hit_tokens == 0 and bm.num_cached_blocks == 0
+
+
+def test_scratch_blocks_are_free_and_hold_no_cached_prefix() -> None:
+    bm = BlockManager(6, BS)
+    cached = Sequence(range(9), max_tokens=4)
+    bm.allocate(cached)
+    cached.num_computed_tokens = 9
+    bm.register_full_blocks(cached)  # two full blocks published
+    published = list(cached.block_table[:2])
+    held = Sequence(range(100, 104), max_tokens=4)
+    bm.allocate(held)
+    bm.deallocate(cached)  # its published blocks stay cached (evictable), the partial one is free
+    scratch = bm.scratch_blocks(10)
+    assert scratch and not set(scratch) & (set(published) | set(held.block_table))
+    assert all(bm.ref_count(b) == 0 for b in scratch)
+    assert bm.scratch_blocks(1) == scratch[:1] and bm.scratch_blocks(0) == []
+    assert bm.num_prefix_hit_tokens(Sequence(range(9), max_tokens=4)) == 8  # nothing was disturbed
+    bm.check_invariants()
