@@ -8,12 +8,13 @@ never bring in a chunk the principal may not read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rag.types import Hit
 
 
-def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None) -> list[Hit]:
+def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None,
+                     family: Callable[[Hit], str] | None = None) -> list[Hit]:
     """The first `k` of `hits` (best first) with at most `max_per_document` from any one document.
 
     Places a capped document would take go to the next hits of other documents, in order. When
@@ -24,6 +25,8 @@ def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None) 
         hits: best first, already permission-checked.
         k: how many to return (>= 0).
         max_per_document: the cap (>= 1), or None for no cap.
+        family: a key of pages that count as one document for the cap too (e.g.
+            `retrieval.page_families.page_family`: the release notes of every minor version).
 
     Raises:
         ValueError: k < 0 or max_per_document < 1.
@@ -37,12 +40,16 @@ def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None) 
     kept: list[Hit] = []
     skipped: list[Hit] = []
     per_document: dict[str, int] = {}
+    per_family: dict[str, int] = {}
     for hit in hits:
         if len(kept) == k:
             break
         taken = per_document.get(hit.document_key, 0)
-        if taken < max_per_document:
+        group = family(hit) if family is not None else None
+        if taken < max_per_document and (group is None or per_family.get(group, 0) < max_per_document):
             per_document[hit.document_key] = taken + 1
+            if group is not None:
+                per_family[group] = per_family.get(group, 0) + 1
             kept.append(hit)
         else:
             skipped.append(hit)
