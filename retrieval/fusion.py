@@ -65,8 +65,7 @@ def reciprocal_rank_fusion(
     return ordered if limit is None else ordered[:limit]
 
 
-def fuse_reranked(retrieved: Sequence[Hit], reranked: Sequence[Hit], k: int = RRF_K,
-                  reranker_weight: float = 1.0) -> list[Hit]:
+def fuse_reranked(retrieved: Sequence[Hit], reranked: Sequence[Hit], k: int = RRF_K) -> list[Hit]:
     """The reranker's hits in the order of RRF over the retrieval order and the reranker's order.
 
     The cross-encoder alone sometimes pushes the chunk that both legs ranked first below
@@ -78,22 +77,12 @@ def fuse_reranked(retrieved: Sequence[Hit], reranked: Sequence[Hit], k: int = RR
         retrieved: the hits best first as retrieval (and fusion of its legs) ranked them.
         reranked: the same hits (by chunk_id), best first by the reranker, with its scores.
         k: the RRF constant.
-        reranker_weight: how many retrieval votes the reranker's one is worth (> 0).
 
     Returns:
         `reranked`'s hits, reordered.
-
-    Raises:
-        ValueError: reranker_weight <= 0.
     """
-    if reranker_weight <= 0:
-        raise ValueError(f"reranker_weight must be > 0, got {reranker_weight}")
-    retrieval_rank: dict[int, int] = {}
-    for rank, h in enumerate(retrieved, start=1):
-        retrieval_rank.setdefault(h.chunk_id, rank)
-    # fsum of the same two shares in either order is bit-equal: swapped ranks tie exactly.
-    fused_score = {h.chunk_id: math.fsum([1.0 / (k + retrieval_rank[h.chunk_id]) if h.chunk_id in retrieval_rank
-                                          else 0.0, reranker_weight / (k + rank)])
-                   for rank, h in enumerate(reranked, start=1)}
+    fused = reciprocal_rank_fusion([[(h.chunk_id, h.score) for h in retrieved],
+                                    [(h.chunk_id, h.score) for h in reranked]], k=k)
+    fused_score = dict(fused)
     order = {h.chunk_id: i for i, h in enumerate(reranked)}
     return sorted(reranked, key=lambda h: (-fused_score[h.chunk_id], order[h.chunk_id]))

@@ -32,10 +32,6 @@ MODES = ("dense", "keyword", "hybrid")
 MAX_HITS_PER_DOCUMENT = 2
 FUSE_RERANK = True
 DENSE_FEEDBACK = True
-# The reranker's order counts twice the retrieval order's in their fusion. Measured on the
-# PostgreSQL manual set (docs/benchmarks.md): 1 -> 2 lifts hybrid + rerank recall@5 and MRR@5;
-# 3 and the reranker alone lose recall; the sample set does not fall.
-RERANKER_WEIGHT = 2.0
 
 
 @dataclass
@@ -133,7 +129,7 @@ class Retriever:
             t = time.perf_counter()
             # Every candidate is scored either way; the cap below may need ranks past k.
             reranked = self.reranker.rerank(question, hits)
-            hits = fuse_reranked(hits, reranked, reranker_weight=RERANKER_WEIGHT) if self.fuse_rerank else reranked
+            hits = fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
             timings["rerank"] = time.perf_counter() - t
         # After the post-check: the cap only chooses among hits the principal may read. Pages
         # that differ only in their numbers (release notes) share one cap (retrieval.page_families).

@@ -1,5 +1,5 @@
-"""Versioned pages share one per-document cap, and the reranker's vote counts twice in its fusion
-with the retrieval order: the key, the cap, the weight, and the Retriever over a real store."""
+"""Versioned pages (titles equal but for their numbers) share one per-document cap: the key, the
+cap, and the Retriever over a real store."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from permissions.models import Principal
 from rag.types import Hit
 from retrieval.diversity import cap_per_document
-from retrieval.fusion import fuse_reranked
 from retrieval.page_families import page_family
 from retrieval.retriever import Retriever
 from tests.fuzz_corpus import hash_embed
@@ -40,18 +39,6 @@ def test_a_family_takes_at_most_the_cap_and_fills_when_nothing_else_is_left():
         "release-15-1", "release-15-2", "release-15-3"]
     # only the family left: its other pages fill the places, best first
     assert [h.chunk_id for h in cap_per_document(releases, 4, 2, family=page_family)] == [1, 2, 3, 4]
-
-
-def test_the_reranker_weight():
-    retrieved = [hit(f"d{i}", None, i, 1.0 / (i + 1)) for i in range(5)]
-    scores = {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0, 0: 1.0}  # the reranker puts retrieval's first last
-    reranked = sorted((hit(f"d{i}", None, i, scores[i]) for i in range(5)), key=lambda h: -h.score)
-    assert [h.chunk_id for h in fuse_reranked(retrieved, reranked)] == [1, 2, 0, 3, 4]
-    # Twice the vote: the reranker's third choice now beats the retrieval's first.
-    assert [h.chunk_id for h in fuse_reranked(retrieved, reranked, reranker_weight=2.0)] == [1, 2, 3, 0, 4]
-    assert {h.chunk_id: h.score for h in fuse_reranked(retrieved, reranked, reranker_weight=2.0)} == scores
-    with pytest.raises(ValueError, match="reranker_weight must be > 0"):
-        fuse_reranked(retrieved, reranked, reranker_weight=0)
 
 
 @pytest.fixture
