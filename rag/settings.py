@@ -23,6 +23,7 @@ from rag.errors import ConfigError
 # The most hits a query may hand the reranker (the setting, Rag.query, experiment configs): every
 # candidate is a cross-encoder forward pass, so more than this is a mistake, not a tuning.
 MAX_CANDIDATES = 1000
+MAX_HITS_PER_DOCUMENT = 100  # most hits of one document in a result (0 = no cap)
 
 
 class Settings(BaseSettings):
@@ -77,7 +78,7 @@ class Settings(BaseSettings):
     # At most this many of the top_k sources from one document (0: no cap), filled from the
     # next candidates; and whether the reranker's order is fused (RRF) with the retrieval order
     # instead of replacing it. Defaults measured on the PostgreSQL manual set (docs/benchmarks.md).
-    max_hits_per_document: int = Field(default=2, ge=0, le=100)
+    max_hits_per_document: int = Field(default=2, ge=0, le=MAX_HITS_PER_DOCUMENT)
     fuse_rerank: bool = True
     # Hybrid mode only: also fuse a dense search from the question's vector moved toward the
     # first pass's 5 best readable hits (pseudo-relevance feedback, retrieval/feedback.py), which
