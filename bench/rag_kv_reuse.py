@@ -262,11 +262,18 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
             rid = submit(engine, corpus, mode, req, params)
             first = None
             while first is None or engine.has_unfinished_requests():
-                for u in engine.step():
+                began = time.monotonic() - start
+                updates = engine.step()
+                if trace is not None:
+                    ran = max((len(u.new_token_ids) for u in updates), default=0)
+                    trace.steps.append((began, time.monotonic() - start, trace.last_batch, ran))
+                for u in updates:
                     out_tokens += len(u.new_token_ids)
                     if u.request_id == rid and first is None and u.new_token_ids:
                         first = time.monotonic()
             ttft.append(first - t0)
+            if trace is not None:
+                trace.requests.append((t0 - start, first - t0))
         return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
     arrival_of: dict[int, float] = {}
     pending = finished = 0
@@ -462,7 +469,7 @@ def main() -> None:
     ap.add_argument("--host-kv-blocks", type=int, default=16384, help="host tier size of the +host modes, in blocks")
     ap.add_argument("--copy-back", action="store_true", help="also time a chunk's copy back against its recompute")
     ap.add_argument("--trace-slow", action="store_true",
-                    help="after each Poisson load, print the slowest requests and the longest steps while they waited")
+                    help="after each load, print the Triton kernels compiled during it, the slowest requests and the longest steps while they waited")
     ap.add_argument("--folder", type=Path, default=None, help="reuse (or write) the random model folder here")
     args = ap.parse_args()
     dry = args.dry_run
@@ -509,7 +516,7 @@ def main() -> None:
         for load in loads:
             arrivals = arrivals_for(load, len(streams[load]), capacity)
             before = engine.get_metrics()
-            trace = StepTrace(engine) if args.trace_slow and arrivals and max(arrivals) > 0 else None
+            trace = StepTrace(engine) if args.trace_slow else None
             result = run_load(engine, corpus, mode, streams[load], arrivals, first_token if load == "seq" else params,
                               trace)  # fmt: skip
             results[(mode, load)] = (result, counters(before, engine.get_metrics()))
