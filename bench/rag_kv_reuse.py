@@ -469,7 +469,7 @@ def main() -> None:
     ap.add_argument("--host-kv-blocks", type=int, default=16384, help="host tier size of the +host modes, in blocks")
     ap.add_argument("--copy-back", action="store_true", help="also time a chunk's copy back against its recompute")
     ap.add_argument("--trace-slow", action="store_true",
-                    help="after each load: Triton kernels compiled during it, the slowest requests, their longest steps")
+                    help="after each load: Triton kernels compiled in it, the slowest requests, their longest steps")
     ap.add_argument("--folder", type=Path, default=None, help="reuse (or write) the random model folder here")
     args = ap.parse_args()
     dry = args.dry_run
