@@ -401,6 +401,42 @@ def copy_back_vs_recompute(engine: LLMEngine, corpus: Corpus, repeats: int = 5) 
     return statistics.median(copy_ms), statistics.median(compute_ms), blocks
 
 
+def copy_out_stall(engine: LLMEngine, corpus: Corpus, repeats: int = 5) -> tuple[float, float, float]:
+    """Milliseconds the compute stream waits to copy one chunk's blocks out: staged, and directly.
+
+    Staged is the host tier's path (HostKVBuffer.swap_out, then before_step's gather into GPU
+    staging; the copy to host runs on its own stream): the compute stream waits for the gather
+    alone. Directly is the peer, what the tier did before: each block copied to its host slot on
+    the compute stream, so the step after an eviction waited for PCIe. Also: when the staged
+    copies have landed on the host. CUDA only (NaN elsewhere).
+    """
+    runner, bm = engine.model_runner, engine.block_manager
+    host = runner.host_kv
+    blocks = corpus.sizes.chunk_tokens // bm.block_size
+    if runner.device.type != "cuda" or host is None or host.blocks.shape[0] < blocks:
+        return float("nan"), float("nan"), float("nan")
+    free = bm.scratch_blocks(blocks)
+    compute = torch.cuda.current_stream()
+    staged, landed, direct = [], [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for slot, block in enumerate(free):
+            host.swap_out(block, slot)
+        host.before_step()
+        compute.synchronize()
+        staged.append((time.perf_counter() - t) * 1e3)
+        host.synchronize()
+        landed.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for slot, block in enumerate(free):
+            host.blocks[slot].copy_(runner.kv_cache[:, :, block], non_blocking=True)
+        compute.synchronize()
+        direct.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(staged), statistics.median(direct), statistics.median(landed)
+
+
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
@@ -502,7 +538,7 @@ def main() -> None:
           f"{f'; GPU pool {args.gpu_kv_blocks} blocks' if args.gpu_kv_blocks else ''}", flush=True)  # fmt: skip
     capacity = args.capacity
     results: dict[tuple[str, str], tuple[LoadResult, dict]] = {}
-    copy_back: list[tuple[str, float, float, int]] = []
+    copy_back: list[tuple[str, float, float, int, float, float, float]] = []
     for mode in modes:
         engine = LLMEngine(folder, engine_config(mode, device, dry, args.gpu_kv_blocks, args.host_kv_blocks))
         t = time.monotonic()
@@ -534,15 +570,18 @@ def main() -> None:
                 except (ImportError, AttributeError):
                     pass
         if args.copy_back and "+host" in mode:
-            copy_back.append((mode, *copy_back_vs_recompute(engine, corpus)))
+            copy_back.append((mode, *copy_back_vs_recompute(engine, corpus), *copy_out_stall(engine, corpus)))
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
     print_table(results, modes, loads, corpus, warm_stream, streams, capacity)
-    for mode, copy_ms, compute_ms, blocks in copy_back:
+    for mode, copy_ms, compute_ms, blocks, staged_ms, direct_ms, landed_ms in copy_back:
         print(f"\ncopy back vs recompute ({mode}): one chunk's {blocks} blocks from the host tier {copy_ms:.2f} ms, "
               f"its {sizes.chunk_tokens} tokens recomputed after the head {compute_ms:.2f} ms "
               f"({compute_ms / copy_ms:.1f}x)")  # fmt: skip
+        print(f"copy out ({mode}): the compute stream waits {staged_ms:.2f} ms for one chunk's {blocks} blocks "
+              f"(gathered into GPU staging; on the host after {landed_ms:.2f} ms) against {direct_ms:.2f} ms "
+              f"copied directly on it, as before ({direct_ms / staged_ms:.1f}x)")  # fmt: skip
     print_goals(results, modes, loads, corpus, warm_stream, streams)
 
 

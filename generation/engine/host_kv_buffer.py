@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from generation.engine.kv_cache_sizing import GIB
+from generation.engine.kv_cache_sizing import GIB, STAGING_BLOCKS, staging_size
 from rag.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -20,23 +20,51 @@ class HostKVBuffer:
     block moves in one copy of its full size (2 MiB for Llama-3.1-8B in bf16), not one per layer:
     KV-REUSE.md A5 measured per-layer copies at ~7x the cost.
 
-    On CUDA the buffer is pinned and the copies are asynchronous on the current stream: they run
-    in program order with the steps, so a copy out reads a block after the step that computed it
-    and before the step that reuses it. The host never reads the buffer itself.
+    On CUDA the buffer is pinned, and a copy out does not hold up the step after it. An evicted
+    block is handed out at once and overwritten by that step, so its KV must be read first; the
+    copy across PCIe (2 MiB per block at ~25 GB/s) used to run on the compute stream, before the
+    step. Now `swap_out` only notes the block, and `before_step` (the model runner calls it before
+    launching a step) gathers the noted blocks into a small GPU staging buffer on the compute
+    stream (device to device: microseconds), then copies staging to host on a stream of its own,
+    which runs while the step computes. Ordering:
+
+    - the gather reads each block before the step that overwrites it (same stream, earlier);
+    - a gather into staging waits for the host copies that still read it (`_busy`);
+    - every write into host slots is on the copy stream, in order, so two writes to a slot reused
+      by the tier land in the order they were issued;
+    - `swap_in` (on the compute stream) first gathers and copies what is noted and waits for the
+      copy stream, so it never reads a slot before a copy out into it has landed, nor overwrites
+      a noted block before it is gathered.
+
+    More noted blocks than staging holds: the gather is done and staging is refilled after its
+    copies (the step then waits for those, as before). The host never reads the buffer itself.
 
     Args:
         kv_cache: the engine's KV tensor.
         num_blocks: host slots (>= 1).
+        staging_blocks: GPU staging blocks for the copies out (CUDA only; at most num_blocks;
+            default STAGING_BLOCKS).
 
     Raises:
         ModelError: the host memory cannot be allocated (pinned memory is limited by the OS).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, num_blocks: int) -> None:
+    def __init__(self, kv_cache: torch.Tensor, num_blocks: int, staging_blocks: int | None = None) -> None:
         self.kv_cache = kv_cache
         layers, two, _, block_size, kv_heads, head_dim = kv_cache.shape
         shape = (num_blocks, layers, two, block_size, kv_heads, head_dim)
         pin = kv_cache.device.type == "cuda"
+        self.staging: torch.Tensor | None = None
+        self.stream: torch.cuda.Stream | None = None
+        if pin:
+            self.staging = torch.empty(
+                (staging_size(num_blocks, staging_blocks or STAGING_BLOCKS), *shape[1:]),
+                dtype=kv_cache.dtype,
+                device=kv_cache.device,
+            )
+            self.stream = torch.cuda.Stream(kv_cache.device)
+        self._noted: list[tuple[int, int]] = []  # (GPU block, host slot) not gathered yet, in order
+        self._busy: torch.cuda.Event | None = None  # after the last copy from staging to host
         size_gib = num_blocks * kv_cache[:, :, 0].numel() * kv_cache.element_size() / GIB
         try:
             # Empty, not zeros: a slot is only ever read after a copy out wrote it.
@@ -49,11 +77,56 @@ class HostKVBuffer:
         logger.info("host KV tier: %d blocks, %.2f GiB%s", num_blocks, size_gib, " pinned" if pin else "")
 
     def swap_out(self, block_id: int, slot: int) -> None:
-        """Copy GPU block block_id (every layer, K and V) into host slot `slot`."""
-        with torch.no_grad():
-            self.blocks[slot].copy_(self.kv_cache[:, :, block_id], non_blocking=True)
+        """Copy GPU block block_id (every layer, K and V) into host slot `slot`, before the next step."""
+        if self.staging is None:
+            with torch.no_grad():
+                self.blocks[slot].copy_(self.kv_cache[:, :, block_id])
+            return
+        if len(self._noted) == len(self.staging):
+            self._copy_noted()
+        self._noted.append((block_id, slot))
 
     def swap_in(self, slot: int, block_id: int) -> None:
-        """Copy host slot `slot` into GPU block block_id."""
+        """Copy host slot `slot` into GPU block block_id (in order on the compute stream)."""
         with torch.no_grad():
+            if self.staging is not None:
+                self._copy_noted()
+                if self._busy is not None:
+                    torch.cuda.current_stream(self.kv_cache.device).wait_event(self._busy)
             self.kv_cache[:, :, block_id].copy_(self.blocks[slot], non_blocking=True)
+
+    def before_step(self) -> None:
+        """Gather the blocks noted for copying out, and start their copies to host beside the step."""
+        if self._noted:
+            self._copy_noted()
+
+    def synchronize(self) -> None:
+        """Wait on the host until every copy issued so far has landed (timing, tests)."""
+        self.before_step()
+        if self.stream is not None:
+            self.stream.synchronize()
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+
+    @property
+    def num_staging_blocks(self) -> int:
+        return 0 if self.staging is None else len(self.staging)
+
+    def _copy_noted(self) -> None:
+        if not self._noted:
+            return
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        with torch.no_grad():
+            if self._busy is not None:
+                compute.wait_event(self._busy)  # staging is still being read by the last copies
+            for i, (block_id, _) in enumerate(self._noted):
+                self.staging[i].copy_(self.kv_cache[:, :, block_id])
+            gathered = torch.cuda.Event()
+            gathered.record(compute)
+            self.stream.wait_event(gathered)
+            with torch.cuda.stream(self.stream):
+                for i, (_, slot) in enumerate(self._noted):
+                    self.blocks[slot].copy_(self.staging[i], non_blocking=True)
+                self._busy = torch.cuda.Event()
+                self._busy.record(self.stream)
+        self._noted.clear()
+

@@ -34,6 +34,17 @@ def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) 
     return math.prod(kv_shape(model_config, 1, block_size)) * torch.empty((), dtype=dtype).element_size()
 
 
+# Host tier (HostKVBuffer): GPU blocks that copies out are gathered into, so that the step after
+# an eviction need not wait for PCIe. Enough for the blocks a typical step evicts (a few
+# prompts' worth); 512 MiB for Llama-3.1-8B.
+STAGING_BLOCKS = 256
+
+
+def staging_size(host_blocks: int, staging_blocks: int = STAGING_BLOCKS) -> int:
+    """GPU staging blocks the host tier uses on CUDA (the KV cache sizing leaves room for them)."""
+    return max(1, min(host_blocks, staging_blocks))
+
+
 def decide_num_blocks(
     model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int
 ) -> int:
@@ -53,6 +64,8 @@ def decide_num_blocks(
     # `used` holds the weights, the CUDA context, cuBLAS workspaces and other processes' memory.
     used = total - free
     budget = total * config.gpu_memory_utilization - used - activation_bytes
+    if config.host_kv_blocks:
+        budget -= staging_size(config.host_kv_blocks) * per_block  # the host tier's copy-out staging
     logger.info(
         "GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations at %d tokens; "
         "%.2f GiB left for the KV cache at gpu_memory_utilization %.2f",

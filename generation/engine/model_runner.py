@@ -223,6 +223,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the batch's first step (writing its KV) and return fp32 logits [N, V] of its sampling entries."""
+        if self.host_kv is not None:
+            self.host_kv.before_step()
         self.copy_kv_blocks(batch.kv_copies)
         return self.step_logits(self.prepare_inputs(batch)).float()
 
@@ -254,6 +256,8 @@ class ModelRunner:
         self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> _BatchRun | None:
         """Queue the batch's first step on the device; None when no entry samples."""
+        if self.host_kv is not None:
+            self.host_kv.before_step()  # after the host tier's copies of this schedule
         self.copy_kv_blocks(batch.kv_copies)
         inputs = self.prepare_inputs(batch)
         logits = self.step_logits(inputs)

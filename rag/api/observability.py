@@ -143,6 +143,8 @@ _ENGINE_METRICS = (
      "sequences preempted for KV blocks"),  # vllm:num_preemptions
     (CounterMetricFamily, "rag_engine_batches_stopped_early", "num_batches_stopped_early",
      "multi-step decode batches ended early so that a waiting request could join"),
+    (CounterMetricFamily, "rag_engine_steps_skipped", "num_steps_skipped",
+     "decode steps of multi-step batches not run because the batch stopped early"),
     (CounterMetricFamily, "rag_engine_request_success", "num_requests_finished",
      "requests the engine finished"),  # vllm:request_success
     (CounterMetricFamily, "rag_engine_generation_tokens", "num_generated_tokens",

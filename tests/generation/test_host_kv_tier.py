@@ -321,8 +321,9 @@ def test_random_traffic_through_a_tight_pool_generates_what_a_roomy_one_does(tin
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_round_trip_on_cuda_through_pinned_memory_restores_identical_kv(tiny):
-    # Pinned host memory and asynchronous copies on the compute stream: the copy out must read
-    # the block before its reuse overwrites it, and the copy back land before the step reads it.
+    # Pinned host memory, copies out gathered into GPU staging and sent to host on their own
+    # stream: the gather must read the block before its reuse overwrites it, and the copy back
+    # land before the step reads it.
     def cuda_llm(num_kv_blocks: int, **args) -> LLM:
         return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
                    num_kv_blocks=num_kv_blocks, **args)  # fmt: skip
@@ -380,3 +381,63 @@ def test_chunk_kv_evicted_between_arrival_and_admission_comes_back_at_admission(
     assert planner.num_chunks_in_place == 0
     assert planner.num_chunks_reused == roomy.engine.chunk_planner.num_chunks_reused
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_staged_copies_out_never_race_a_reused_slot_or_block():
+    # HostKVBuffer alone, on CUDA: a slot written twice keeps the later copy; a swap in of a slot
+    # whose copy out is only noted gets that copy; a noted block overwritten right after still
+    # leaves its old KV on the host; more noted blocks than staging holds all land.
+    from generation.engine.host_kv_buffer import HostKVBuffer
+
+    kv = torch.randn(2, 2, 8, 4, 1, 8, device="cuda")
+    buffer = HostKVBuffer(kv, num_blocks=6, staging_blocks=2)
+    assert buffer.num_staging_blocks == 2 and buffer.blocks.is_pinned()
+    want = {b: kv[:, :, b].cpu() for b in range(8)}
+    buffer.swap_out(0, 0)
+    buffer.swap_out(1, 0)  # slot 0 again: block 1 must win
+    buffer.swap_out(2, 1)
+    buffer.before_step()
+    kv[:, :, 1] = -1.0  # the step overwrites an evicted block right after the gather
+    buffer.swap_out(3, 2)
+    buffer.swap_in(2, 4)  # reads slot 2 while its copy out is only noted
+    for b, slot in [(5, 3), (6, 4), (7, 5)]:  # more than staging holds
+        buffer.swap_out(b, slot)
+    buffer.synchronize()
+    assert torch.equal(buffer.blocks[0], want[1]) and torch.equal(buffer.blocks[1], want[2])
+    assert torch.equal(kv[:, :, 4].cpu(), want[3])
+    for b, slot in [(5, 3), (6, 4), (7, 5)]:
+        assert torch.equal(buffer.blocks[slot], want[b])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_random_traffic_on_cuda_through_a_tight_pool_generates_what_a_roomy_one_does(tiny, monkeypatch):
+    # The CPU test above on the GPU, with staging smaller than a step's evictions (the overflow path).
+    import random
+
+    import generation.engine.host_kv_buffer as host_kv_buffer
+
+    monkeypatch.setattr(host_kv_buffer, "STAGING_BLOCKS", 3)
+    rng = random.Random(1)
+    heads = [list(range(3 + 9 * k, 11 + 9 * k)) for k in range(3)]
+    prompts = [(rng.choice(heads) + [rng.randrange(40, 120) for _ in range(rng.randrange(1, 14))],
+                rng.choice(["acl:a", "acl:b"])) for _ in range(16)]  # fmt: skip
+    prompts += rng.sample(prompts, 10)
+
+    def cuda_llm(num_kv_blocks: int, **args) -> LLM:
+        return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
+                   num_kv_blocks=num_kv_blocks, **args)  # fmt: skip
+
+    roomy, tight = cuda_llm(128), cuda_llm(14, host_kv_blocks=24)
+    assert tight.engine.model_runner.host_kv.num_staging_blocks == 3
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [o.token_ids for o in roomy.generate([p for p, _ in prompts[:8]], params, "acl:a")]
+    assert [o.token_ids for o in tight.generate([p for p, _ in prompts[:8]], params, "acl:a")] == want
+    for ids, namespace in prompts:
+        want = roomy.generate([ids], params, namespace)[0].token_ids
+        assert tight.generate([ids], params, namespace)[0].token_ids == want
+        tight.engine.block_manager.check_invariants()
+    m = tight.metrics()
+    assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 3
