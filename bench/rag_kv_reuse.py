@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import random
 import statistics
 import sys
@@ -325,6 +326,19 @@ class StepTrace:
             return batch
 
         engine.scheduler.schedule = traced
+        # Python's garbage collector: a full collection over the engine's bookkeeping (tens of
+        # thousands of cached-block entries) stalls the loop between steps, unseen by the steps.
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._gc_start = 0.0
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+            else:
+                self.gc_pauses.append((info["generation"], time.perf_counter() - self._gc_start))
+
+        self.on_gc = on_gc
+        gc.callbacks.append(on_gc)
         # Kernels Triton compiles (or loads from its disk cache) during the load: each one stalls a step.
         self.compiles: list[str] = []
         try:
@@ -340,10 +354,17 @@ class StepTrace:
 
     def report(self, worst: int = 3) -> None:
         print(f"    Triton kernels compiled during the load: {len(self.compiles)} {sorted(set(self.compiles))}")
+        gc.callbacks.remove(self.on_gc)
+        for gen in (0, 1, 2):
+            pauses = [t for g, t in self.gc_pauses if g == gen]
+            if pauses:
+                print(f"    GC generation {gen}: {len(pauses)} collections, {sum(pauses) * 1e3:.1f} ms in all, "
+                      f"longest {max(pauses) * 1e3:.1f} ms")  # fmt: skip
         for arrival, ttft in sorted(self.requests, key=lambda r: -r[1])[:worst]:
             window = [s for s in self.steps if s[1] > arrival and s[0] < arrival + ttft]
+            busy = sum(min(e, arrival + ttft) - max(b, arrival) for b, e, _, _ in window)
             print(f"    slow request: arrived {arrival * 1e3:.0f} ms, TTFT {ttft * 1e3:.0f} ms, "
-                  f"{len(window)} steps in between:")
+                  f"{len(window)} steps in between, stepping {busy * 1e3:.0f} ms of it:")  # fmt: skip
             for began, ended, what, ran in sorted(window, key=lambda s: s[0] - s[1])[:4]:
                 print(f"      {(ended - began) * 1e3:.1f} ms at {began * 1e3:.0f}: {what}, ran {ran}")
 
