@@ -65,8 +65,7 @@ def decide_num_blocks(
     used = total - free
     budget = total * config.gpu_memory_utilization - used - activation_bytes
     if config.host_kv_blocks:
-        # The host tier's copy-out staging, and its gather's temporary of the same size.
-        budget -= 2 * staging_size(config.host_kv_blocks) * per_block
+        budget -= staging_size(config.host_kv_blocks) * per_block  # the host tier's copy-out staging
     logger.info(
         "GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations at %d tokens; "
         "%.2f GiB left for the KV cache at gpu_memory_utilization %.2f",
