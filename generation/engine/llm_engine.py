@@ -229,9 +229,8 @@ class LLMEngine:
         if not request.internal:
             self.metrics.on_arrival(request.request_id, request.seq.arrival_time)
         for head, chunk in behind:
-            # Background work, so it never delays this request or a later one: the request computes
-            # the chunk in place, and the compile runs in a step that carries no caller's prompt.
-            self._compile(head, chunk, background=True)
+            # Queued after the request, so it never delays it: the request computes the chunk in place.
+            self._compile(head, chunk)
         return request.request_id
 
     def add_segmented_request(
@@ -280,12 +279,8 @@ class LLMEngine:
             request.seq.segments = segments
         return request
 
-    def _compile(self, head: PromptSegment, chunk: PromptSegment, *, background: bool = False) -> int:
-        """Queue (once) the prefill of `head ‖ chunk` that publishes the chunk's canonical KV; its id.
-
-        A background compile (chunk_miss="in_place" only) is one no request waits for
-        (Sequence.background); with chunk_miss="wait" requests wait for their compiles.
-        """
+    def _compile(self, head: PromptSegment, chunk: PromptSegment) -> int:
+        """Queue (once) the prefill of `head ‖ chunk` that publishes the chunk's canonical KV; its id."""
         key = (head.namespace, head.token_ids, chunk.namespace, chunk.token_ids)
         pending = self._compiles.get(key)
         if pending is not None and pending in self._requests:
@@ -293,7 +288,6 @@ class LLMEngine:
         ids, regions = compile_prompt(head, chunk)
         request = self.make_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), regions, incremental_text=False)
         request.internal = True
-        request.seq.background = background
         self._compiles[key] = self.add(request)
         return request.request_id
 

@@ -113,10 +113,6 @@ class Scheduler:
     the filled ranges, in position order; several runs of one sequence may share a step, each an
     entry whose context ends where the run ends, so the kernels apply the true causal mask.
 
-    Background work (`Sequence.background`: a chunk compile no request waits for) has its own
-    queue and runs only in steps that carry no caller's prompt tokens, next to decodes or in
-    idle time, so it never adds to anyone's time to first token.
-
     Args:
         config: step limits.
         block_manager: the KV block pool; its block_size must equal config.block_size.
@@ -141,9 +137,6 @@ class Scheduler:
         # cache or by chunk copies: the "computed" side of the reuse metrics.
         self.num_computed_prompt_tokens = 0
         self.waiting: deque[Sequence] = deque()
-        # Sequence.background work, first come first served among itself, admitted only into a
-        # step whose other entries are decodes: a caller's prompt never shares a step with it.
-        self.background: deque[Sequence] = deque()
         # Sorted by arrival, so the last one is the first to preempt.
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}
@@ -161,7 +154,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.background or self.running)
+        return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request.
@@ -184,7 +177,7 @@ class Scheduler:
         if seq.seq_id in self._seqs or seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"{seq} was already added to a scheduler")
         self._seqs[seq.seq_id] = seq
-        (self.background if seq.background else self.waiting).append(seq)
+        self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
         """Drop a request wherever it is and release its blocks; False if it is unknown or done."""
@@ -195,7 +188,7 @@ class Scheduler:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
         else:
-            (self.background if seq.background else self.waiting).remove(seq)
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         return True
 
@@ -220,12 +213,11 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= 1
 
-        # Prompts already admitted: their blocks were allocated in full at admission. Background
-        # work goes after every caller's prompt, and only into a step that carries none.
-        for seq in sorted(self.running, key=lambda s: s.background):
+        # Prompts already admitted: their blocks were allocated in full at admission.
+        for seq in self.running:
             if budget == 0:
                 break
-            if seq.seq_id in scheduled or (seq.background and _carries_prompt(entries)):
+            if seq.seq_id in scheduled:
                 continue
             added = self._prefill_entries(seq, budget)
             entries += added
@@ -235,9 +227,7 @@ class Scheduler:
         # Admitting after a preemption would take back the blocks just freed and thrash.
         kv_copies: list[tuple[int, int, int]] = []
         if not preempted:
-            budget = self._admit(self.waiting, entries, budget, kv_copies)
-            if not self.waiting and not _carries_prompt(entries):
-                self._admit(self.background, entries, budget, kv_copies)
+            self._admit(entries, budget, kv_copies)
         num_steps = self._plan_steps(entries) if not preempted else 1
         self.max_num_running = max(self.max_num_running, len({e.seq.seq_id for e in entries}))
         return ScheduledBatch(entries, preempted, num_steps, kv_copies)
@@ -350,13 +340,10 @@ class Scheduler:
             start = seq.skip_filled(run_end)
         return entries
 
-    def _admit(
-        self, queue: deque[Sequence], entries: list[ScheduledEntry], budget: int, kv_copies: list[tuple[int, int, int]]
-    ) -> int:
-        """Admit from the head of `queue` while it fits; returns the budget left."""
+    def _admit(self, entries: list[ScheduledEntry], budget: int, kv_copies: list[tuple[int, int, int]]) -> None:
         manager = self.block_manager
-        while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = queue[0]
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
             if seq.waits_for & self._seqs.keys():
                 break  # its chunks' canonical KV is still being computed (first come, first served)
             self._check_fits_pool(seq)
@@ -379,13 +366,12 @@ class Scheduler:
             if plan is not None:
                 self.chunk_planner.record(plan)
                 kv_copies += seq.kv_copies
-            queue.popleft()
+            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival_order)
             added = self._prefill_entries(seq, budget)
             entries += added
             budget -= sum(e.num_new_tokens for e in added)
-        return budget
 
     def _check_fits_pool(self, seq: Sequence) -> None:
         needed = seq.num_blocks(self.config.block_size)
@@ -401,8 +387,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
-        # Front of its queue: it arrived before everything still waiting there.
-        (self.background if seq.background else self.waiting).appendleft(seq)
+        # Front of the queue: it arrived before everything still waiting.
+        self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _finish(self, seq: Sequence) -> None:
@@ -415,8 +401,3 @@ class Scheduler:
 
 def _arrival_order(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id
-
-
-def _carries_prompt(entries: list[ScheduledEntry]) -> bool:
-    """Whether the step feeds prompt tokens of a request some caller waits for."""
-    return any(not e.is_decode and not e.seq.background for e in entries)

@@ -82,9 +82,6 @@ class Sequence:
         self.held_blocks: list[int] = []
         # Internal requests (chunk compiles) this one waits for before it is admitted.
         self.waits_for: set[int] = set()
-        # Work no caller waits for (a chunk compile behind a request that computed the chunk in
-        # place): the scheduler runs it only in steps that carry no caller's prompt.
-        self.background = False
 
     def __repr__(self) -> str:
         return (
