@@ -296,23 +296,31 @@ def test_a_restore_never_reads_a_slot_that_its_own_block_take_reused():
     assert bm.num_free_blocks == 2
 
 
-def test_random_traffic_through_a_tight_pool_generates_what_a_roomy_one_does(tiny):
-    # Shared heads, repeated prompts and two namespaces through a pool that keeps evicting: the
-    # host tier moves blocks out and back all the time, and every output stays the same.
+def random_traffic(seed: int, num_prompts: int, num_repeats: int) -> list[tuple[list[int], str]]:
+    """Prompts over three shared 2-block heads in two namespaces, then some of them again."""
     import random
 
-    rng = random.Random(0)
-    heads = [list(range(3 + 9 * k, 11 + 9 * k)) for k in range(3)]  # 2 blocks each
+    rng = random.Random(seed)
+    heads = [list(range(3 + 9 * k, 11 + 9 * k)) for k in range(3)]
     prompts = [(rng.choice(heads) + [rng.randrange(40, 120) for _ in range(rng.randrange(1, 14))],
-                rng.choice(["acl:a", "acl:b"])) for _ in range(12)]  # fmt: skip
-    prompts += rng.sample(prompts, 8)
+                rng.choice(["acl:a", "acl:b"])) for _ in range(num_prompts)]  # fmt: skip
+    return prompts + rng.sample(prompts, num_repeats)
+
+
+def assert_same_outputs_one_by_one(roomy: LLM, tight: LLM, prompts: list[tuple[list[int], str]]) -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    roomy = make_llm(tiny, num_kv_blocks=128)
-    tight = make_llm(tiny, num_kv_blocks=14, host_kv_blocks=24)
     for ids, namespace in prompts:
         want = roomy.generate([ids], params, namespace)[0].token_ids
         assert tight.generate([ids], params, namespace)[0].token_ids == want
         tight.engine.block_manager.check_invariants()
+
+
+def test_random_traffic_through_a_tight_pool_generates_what_a_roomy_one_does(tiny):
+    # Shared heads, repeated prompts and two namespaces through a pool that keeps evicting: the
+    # host tier moves blocks out and back all the time, and every output stays the same.
+    roomy = make_llm(tiny, num_kv_blocks=128)
+    tight = make_llm(tiny, num_kv_blocks=14, host_kv_blocks=24)
+    assert_same_outputs_one_by_one(roomy, tight, random_traffic(0, 12, 8))
     m = tight.metrics()
     assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 0
     assert tight.engine.block_manager.num_used_blocks == 0
@@ -415,16 +423,10 @@ def test_staged_copies_out_never_race_a_reused_slot_or_block():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_random_traffic_on_cuda_through_a_tight_pool_generates_what_a_roomy_one_does(tiny, monkeypatch):
     # The CPU test above on the GPU, with staging smaller than a step's evictions (the overflow path).
-    import random
-
     import generation.engine.host_kv_buffer as host_kv_buffer
 
     monkeypatch.setattr(host_kv_buffer, "STAGING_BLOCKS", 3)
-    rng = random.Random(1)
-    heads = [list(range(3 + 9 * k, 11 + 9 * k)) for k in range(3)]
-    prompts = [(rng.choice(heads) + [rng.randrange(40, 120) for _ in range(rng.randrange(1, 14))],
-                rng.choice(["acl:a", "acl:b"])) for _ in range(16)]  # fmt: skip
-    prompts += rng.sample(prompts, 10)
+    prompts = random_traffic(1, 16, 10)
 
     def cuda_llm(num_kv_blocks: int, **args) -> LLM:
         return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
@@ -435,9 +437,6 @@ def test_random_traffic_on_cuda_through_a_tight_pool_generates_what_a_roomy_one_
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     want = [o.token_ids for o in roomy.generate([p for p, _ in prompts[:8]], params, "acl:a")]
     assert [o.token_ids for o in tight.generate([p for p, _ in prompts[:8]], params, "acl:a")] == want
-    for ids, namespace in prompts:
-        want = roomy.generate([ids], params, namespace)[0].token_ids
-        assert tight.generate([ids], params, namespace)[0].token_ids == want
-        tight.engine.block_manager.check_invariants()
+    assert_same_outputs_one_by_one(roomy, tight, prompts)
     m = tight.metrics()
     assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 3
