@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ingest.html_admonitions import drop_admonition_titles
 from ingest.html_navigation import strip_navigation
 from ingest.sources import SourceItem
 from ingest.table_text import markdown_table
@@ -271,6 +272,7 @@ def _partition_text_format(suffix: str, text: str) -> list[Any]:
     fmt = kind[suffix]
     if fmt == "html":
         text = strip_navigation(text)  # menus and "Prev Up Next" bars are no page's content
+        text = drop_admonition_titles(text)  # a "Note" must not head the text that follows it
     # Passing the decoded text (not the file) keeps our strict UTF-8 decision authoritative.
     return _partition(_partitioner(fmt), f"cannot parse {fmt.upper()}", text=text)
 
