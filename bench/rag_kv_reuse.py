@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 from generation.config import EngineConfig  # noqa: E402
 from generation.engine.llm_engine import LLMEngine  # noqa: E402
 from generation.engine.prompt_segments import PromptSegment  # noqa: E402
+from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace")
@@ -340,19 +341,11 @@ class StepTrace:
         self.on_gc = on_gc
         gc.callbacks.append(on_gc)
         # Kernels Triton compiles (or loads from its disk cache) during the load: each one stalls a step.
-        self.compiles: list[str] = []
-        try:
-            import triton
-
-            def on_compile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-                fn = kwargs.get("fn")
-                self.compiles.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
-
-            triton.knobs.runtime.jit_post_compile_hook = on_compile
-        except (ImportError, AttributeError):
-            pass
+        self._recording = recording_triton_compiles()
+        self.compiles = self._recording.__enter__()
 
     def report(self, worst: int = 3) -> None:
+        self._recording.__exit__(None, None, None)
         print(f"    Triton kernels compiled during the load: {len(self.compiles)} {sorted(set(self.compiles))}")
         gc.callbacks.remove(self.on_gc)
         for gen in (0, 1, 2):
@@ -584,12 +577,6 @@ def main() -> None:
             if trace is not None:
                 trace.report()
                 del engine.scheduler.schedule  # back to the class's method
-                try:
-                    import triton
-
-                    triton.knobs.runtime.jit_post_compile_hook = None
-                except (ImportError, AttributeError):
-                    pass
         if args.copy_back and "+host" in mode:
             copy_back.append((mode, *copy_back_vs_recompute(engine, corpus), *copy_out_stall(engine, corpus)))
         del engine

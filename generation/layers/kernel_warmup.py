@@ -12,8 +12,10 @@ compiles them all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -124,3 +126,33 @@ def compile_attention_variants(
     elapsed = time.monotonic() - started
     logger.info("compiled the attention kernels' variants (%d launches) in %.1f s", launches, elapsed)
     return launches
+
+
+@contextlib.contextmanager
+def recording_triton_compiles() -> Iterator[list[str]]:
+    """Within the block, the names of the Triton kernels compiled (or loaded from Triton's disk cache).
+
+    Each one stalled the step that needed it; serving should record none (test_kernel_variants,
+    bench/rag_kv_reuse.py --trace-slow). Without Triton the list stays empty. The hook that was
+    installed before is put back on exit.
+    """
+    compiled: list[str] = []
+    try:
+        import triton
+
+        knobs = triton.knobs.runtime
+    except (ImportError, AttributeError):  # no Triton, or one without runtime knobs
+        yield compiled
+        return
+
+    def on_compile(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        fn = kwargs.get("fn")
+        compiled.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
+
+    previous = knobs.jit_post_compile_hook
+    knobs.jit_post_compile_hook = on_compile
+    try:
+        yield compiled
+    finally:
+        knobs.jit_post_compile_hook = previous
+

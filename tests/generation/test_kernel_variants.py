@@ -10,6 +10,7 @@ import torch
 from generation import SamplingParams
 from generation.config import EngineConfig
 from generation.engine.llm_engine import LLMEngine
+from generation.layers.kernel_warmup import recording_triton_compiles
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,20 +19,12 @@ pytestmark = [
 
 
 def test_serving_varied_shapes_compiles_no_kernel(tiny_model_factory):
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     path = tiny_model_factory("default")[0]
     # A long context so that table widths, split counts and batch sizes all vary widely.
     engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_model_len=256, block_size=16,
                                           max_num_seqs=64, num_scheduler_steps=8))  # fmt: skip
-    compiled: list[str] = []
-
-    def on_compile(*args, **kwargs):
-        fn = kwargs.get("fn")
-        compiled.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
-
-    previous = triton.knobs.runtime.jit_post_compile_hook
-    triton.knobs.runtime.jit_post_compile_hook = on_compile
-    try:
+    with recording_triton_compiles() as compiled:
         rng = random.Random(0)
         for wave in range(6):
             # Waves of 1..40 requests of 1..200 prompt tokens, some sharing prefixes, arriving
@@ -47,6 +40,4 @@ def test_serving_varied_shapes_compiles_no_kernel(tiny_model_factory):
                 steps += 1
                 if wave % 2 and steps == 3:
                     engine.add_request([7] * rng.randrange(1, 150), SamplingParams(max_tokens=5, ignore_eos=True))
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = previous
     assert compiled == []

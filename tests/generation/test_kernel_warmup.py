@@ -50,3 +50,39 @@ def test_the_walk_finds_every_variant_an_exhaustive_search_finds(heads, kv_heads
         assert width * block_size >= tokens and width <= max_blocks
         programs = (tokens // block_q + 1) * kv_heads
         assert variant_of(prefill_num_splits(tokens, programs, width * block_size, CPU)[0]) == variant
+
+
+def test_the_compile_recorder_names_kernels_and_puts_the_old_hook_back(monkeypatch):
+    # A stand-in for Triton's runtime knobs (Triton is not installed on CPU machines): the
+    # recorder installs its hook, names what Triton reports, and restores the hook before it.
+    import sys
+    import types
+
+    from generation.layers.kernel_warmup import recording_triton_compiles
+
+    def before(*args, **kwargs):
+        return None
+
+    runtime = types.SimpleNamespace(jit_post_compile_hook=before)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+
+    def _prefill_kernel():
+        return None
+
+    with recording_triton_compiles() as compiled:
+        assert runtime.jit_post_compile_hook is not before
+        runtime.jit_post_compile_hook(fn=types.SimpleNamespace(fn=_prefill_kernel))
+        runtime.jit_post_compile_hook(fn=_prefill_kernel)
+    assert compiled == ["_prefill_kernel", "_prefill_kernel"]
+    assert runtime.jit_post_compile_hook is before
+
+
+def test_the_compile_recorder_without_triton_records_nothing(monkeypatch):
+    import sys
+
+    from generation.layers.kernel_warmup import recording_triton_compiles
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    with recording_triton_compiles() as compiled:
+        pass
+    assert compiled == []
