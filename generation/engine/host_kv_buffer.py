@@ -129,4 +129,3 @@ class HostKVBuffer:
                 self._busy = torch.cuda.Event()
                 self._busy.record(self.stream)
         self._noted.clear()
-
