@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,8 +15,6 @@ if TYPE_CHECKING:
 
 _SENTENCE_END = (".", "!", "?", ":", ";")
 _Piece = tuple[str, str | None, list[int]]  # (chunk text, heading, pages)
-# The rule line under a Markdown table's header row (ingest/table_text.py writes "| --- | --- |").
-_TABLE_RULE = re.compile(r"\|(?: *:?-{3,}:? *\|)+")
 
 
 @dataclass(frozen=True)
@@ -328,7 +325,7 @@ class _SectionPacker:
             if c._fits(c._compose(self.prefix, [el.text])):
                 self._parts.append(el.text)
             else:
-                windows = self._windows(el)
+                windows = c._split(el.text, self.prefix)
                 for w in windows[:-1]:
                     out.append((c._compose(self.prefix, [w]), self.heading,
                                 [el.page] if el.page is not None else []))
@@ -336,36 +333,9 @@ class _SectionPacker:
         if el.page is not None:
             self._pages.append(el.page)
 
-    def _windows(self, el: Element) -> list[str]:
-        """`el`'s text cut to fit after the prefix; a table's windows each open with its header row.
-
-        Without the header, a window of a long table (a function list, the limits appendix) is
-        rows of bare values: "| identifier length | 63 bytes |" no longer says which column is
-        the limit, for the embedder, the reranker or the extractive answerer.
-        """
-        c = self.chunker
-        split = _table_header(el)
-        # The header may take at most a quarter of the cap, so the rows keep most of each window.
-        if split is not None and c.count_tokens(split[0]) <= c.config.max_tokens // 4:
-            header, rows = split
-            inner = f"{self.prefix}\n\n{header}" if self.prefix else header
-            return [f"{header}\n{w}" for w in c._split(rows, inner)]
-        return c._split(el.text, self.prefix)
-
     def _flush(self, out: list[_Piece]) -> None:
         if self._parts:
             out.append((self.chunker._compose(self.prefix, self._parts), self.heading,
                         sorted(set(self._pages))))
             self._parts.clear()
             self._pages.clear()
-
-
-def _table_header(el: Element) -> tuple[str, str] | None:
-    """A Markdown table's header (its first row and rule line) and the rows under it, else None."""
-    if el.kind != "Table":
-        return None
-    first, _, rest = el.text.partition("\n")
-    rule, _, rows = rest.partition("\n")
-    if not (first.startswith("|") and _TABLE_RULE.fullmatch(rule.strip()) and rows.strip()):
-        return None
-    return f"{first}\n{rule}", rows

@@ -185,37 +185,6 @@ def test_a_long_table_is_cut_and_overlapped_between_rows(chunker) -> None:
     assert set(rows) <= shown  # every row whole in some chunk
 
 
-@pytest.mark.parametrize("title_context", [False, True])
-def test_every_window_of_a_long_table_opens_with_its_header(tokenizer, title_context: bool) -> None:
-    # Without it, a later window is bare values ("| identifier length | 63 bytes |"): nothing
-    # says the second column is the limit.
-    c = Chunker(tokenizer, ChunkingConfig(max_tokens=80, overlap_tokens=8, title_context=title_context))
-    header = "| Item | Upper Limit |\n| --- | --- |"
-    rows = [f"| item number {i} | {i * 7} bytes |" for i in range(40)]
-    chunks = c.chunk(doc(T("K.1. Limits"), Element("Table", "\n".join([header, *rows])), title="Appendix K"))
-    assert len(chunks) > 3
-    for ch in chunks:
-        assert ch.num_tokens <= 80
-        head, _, rows_text = ch.text.partition("\n\n")  # the heading, with the page title or not
-        assert head == ("Appendix K › K.1. Limits" if title_context else "K.1. Limits")
-        assert rows_text.startswith(header + "\n"), ch.text
-    shown = [line for ch in chunks for line in ch.text.partition("\n\n")[2].splitlines()[2:]]
-    assert set(rows) <= set(shown)  # every row whole in some chunk, none lost to the header
-    assert header.splitlines()[0] not in shown  # the header is only ever the windows' head
-
-
-def test_a_table_without_a_header_row_or_with_a_huge_one_is_cut_as_before(tokenizer) -> None:
-    c = Chunker(tokenizer, ChunkingConfig(max_tokens=80, overlap_tokens=8))
-    rows = [f"| item number {i} | {i * 7} bytes |" for i in range(40)]
-    plain = c.chunk(doc(T("Limits"), Element("Table", "\n".join(rows))))
-    assert sum(body(ch).count(rows[0]) for ch in plain) == 1  # no first row repeated as a header
-    # A header over a quarter of the cap would leave too little room for rows: not repeated.
-    wide = "| " + " | ".join(f"column heading {i}" for i in range(8)) + " |\n|" + " --- |" * 8
-    assert c.count_tokens(wide) > 20
-    cut = c.chunk(doc(T("Limits"), Element("Table", "\n".join([wide, *rows]))))
-    assert sum(body(ch).startswith(wide) for ch in cut) == 1
-
-
 def test_no_overlap_when_configured_off(tokenizer) -> None:
     c = Chunker(tokenizer, ChunkingConfig(max_tokens=32, overlap_tokens=0))
     words = " ".join(f"w{i}" for i in range(300))
