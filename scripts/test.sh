@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -m "not gpu" "$@"
+exec .venv/bin/python -m pytest -q -m "not gpu" --durations=15 "$@"
