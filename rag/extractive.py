@@ -30,6 +30,9 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 _LEADING_MARKUP = re.compile(r"^(?:[#>*\-+|]+|\d+[.)])\s+")
 _MIN_WORDS = 3  # shorter fragments ("Contents", "Notes:") answer nothing
 _HEADING_WORDS = 5  # an unpunctuated line this short is a heading ("Using the GPU nodes"), not an answer
+# The chunker's title context ("Basalt Cluster User Guide › Using the GPU nodes", ingest/chunk.py)
+# leads a chunk's text: a heading however long it is. The title is given to the scorer anyway.
+_BREADCRUMB = " \u203a "
 _MAX_SENTENCE_WORDS = 60  # longer is flattened layout, not a sentence: quoted by windows of
 _WINDOW_WORDS = 24  # words, overlapping by half
 _FLAT_TABLE_PIPES = 6  # cell separators that make a shorter run a flattened table too (a row or more)
@@ -87,7 +90,7 @@ def split_sentences(text: str) -> list[str]:
     for piece in _SENTENCE_END.split(text.strip()):
         sentence = _LEADING_MARKUP.sub("", piece.strip()).strip()
         words = len(sentence.split())
-        heading = words <= _HEADING_WORDS and sentence[-1:] not in ".!?:;)"
+        heading = (words <= _HEADING_WORDS or _BREADCRUMB in sentence) and sentence[-1:] not in ".!?:;)"
         if words > _MAX_SENTENCE_WORDS or (words > _WINDOW_WORDS and sentence.count(" | ") >= _FLAT_TABLE_PIPES):
             out += _windows(sentence.split())
         elif words >= _MIN_WORDS and not heading:

@@ -61,6 +61,16 @@ def test_sentences_drop_layout_headings_and_fragments():
     assert split_sentences(text) == ["gpu01-gpu08 are in the gpu partition.", "See the guide.", "It helps a lot!"]
 
 
+def test_the_title_context_that_leads_a_chunk_is_never_quoted():
+    # The chunker heads a chunk "document title › section heading" (ingest/chunk.py): longer than
+    # a short heading, but no more an answer (the demo once quoted "Basalt Cluster User Guide ›
+    # Using the GPU nodes [2]." as a second sentence). A sentence that ends as one stays.
+    text = ("Basalt Cluster User Guide \u203a Using the GPU nodes\n\n"
+            "All GPU work goes through the gpu partition. Menus › Settings › Save saves it.")
+    want = ["All GPU work goes through the gpu partition.", "Menus › Settings › Save saves it."]
+    assert split_sentences(text) == want
+
+
 def test_the_best_sentence_is_quoted_with_the_number_of_its_source():
     answer = extract_answer("What is the -80 alarm set to?", SOURCES, keyword_scorer("alarm", "-65"))
     # "Alarms page the on-call phone." scores 5 (its title says "alarm"): more than `margin` below the best.
