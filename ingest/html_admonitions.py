@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import re
 
+from ingest.html_prune import PruneRule, classes, local_tag, prune_html
+
 # DocBook XSL's admonition classes; Sphinx marks its admonitions "admonition <kind>".
 ADMONITION_CLASSES = frozenset({"note", "tip", "warning", "caution", "important", "admonition"})
 _HEADINGS = frozenset({"h1", "h2", "h3", "h4", "h5", "h6"})
-_XML_DECLARATION = re.compile(r"^\s*<\?xml[^>]*\?>", re.IGNORECASE)
 _PRECHECK = re.compile(r"class=[\"'][^\"']*\b(?:note|tip|warning|caution|important|admonition)\b", re.IGNORECASE)
 
 
@@ -25,42 +26,21 @@ def drop_admonition_titles(html: str) -> str:
 
     A title is a heading of class "title" that is the first element of a `div` of an
     ADMONITION_CLASSES class (DocBook), or any element of class "admonition-title" (Sphinx).
-    Returns `html` unchanged when it has none, and when lxml cannot read it (the partitioner
-    then reports the problem, as before).
     """
-    if not _PRECHECK.search(html):
-        return html
-    try:
-        import lxml.html
-        from lxml import etree
-
-        # lxml refuses a str that declares its own encoding; the text is already decoded.
-        root = lxml.html.document_fromstring(_XML_DECLARATION.sub("", html, count=1))
-    except (ValueError, etree.ParserError):
-        return html
-    doomed = [el for el in root.iter() if isinstance(el.tag, str) and _is_admonition_title(el)]
-    if not doomed:
-        return html
-    for el in doomed:
-        el.drop_tree()  # keeps the title's tail text, which belongs to the admonition's body
-    return lxml.html.tostring(root, encoding="unicode")
-
-
-def _classes(el) -> set[str]:
-    return set((el.get("class") or "").lower().split())
+    return prune_html(html, [ADMONITION_TITLES])
 
 
 def _is_admonition_title(el) -> bool:
-    if "admonition-title" in _classes(el):
+    if "admonition-title" in classes(el):
         return True
-    tag = el.tag.rpartition("}")[2].lower()  # XHTML pages may carry a namespace
-    if tag not in _HEADINGS or "title" not in _classes(el):
+    if local_tag(el) not in _HEADINGS or "title" not in classes(el):
         return False
     parent = el.getparent()
-    if parent is None or parent.tag.rpartition("}")[2].lower() != "div":
-        return False
-    if _classes(parent).isdisjoint(ADMONITION_CLASSES):
+    if parent is None or local_tag(parent) != "div" or classes(parent).isdisjoint(ADMONITION_CLASSES):
         return False
     # Only the admonition's own title (its first element), not a heading inside its body.
     first = next((c for c in parent if isinstance(c.tag, str)), None)
     return first is el
+
+
+ADMONITION_TITLES = PruneRule(lambda html: _PRECHECK.search(html) is not None, _is_admonition_title)

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ingest.html_admonitions import drop_admonition_titles
-from ingest.html_navigation import strip_navigation
+from ingest.html_admonitions import ADMONITION_TITLES
+from ingest.html_navigation import NAVIGATION
+from ingest.html_prune import prune_html
 from ingest.sources import SourceItem
 from ingest.table_text import markdown_table
 from ingest.text_blocks import check_text_file, first_lines, text_blocks
@@ -271,8 +272,9 @@ def _partition_text_format(suffix: str, text: str) -> list[Any]:
     kind = {".md": "md", ".markdown": "md", ".txt": "text", ".html": "html", ".htm": "html"}
     fmt = kind[suffix]
     if fmt == "html":
-        text = strip_navigation(text)  # menus and "Prev Up Next" bars are no page's content
-        text = drop_admonition_titles(text)  # a "Note" must not head the text that follows it
+        # Menus and "Prev Up Next" bars are no page's content, and a "Note" box title must not
+        # head the text that follows it: one parse of the page for both.
+        text = prune_html(text, (NAVIGATION, ADMONITION_TITLES))
     # Passing the decoded text (not the file) keeps our strict UTF-8 decision authoritative.
     return _partition(_partitioner(fmt), f"cannot parse {fmt.upper()}", text=text)
 
