@@ -35,7 +35,7 @@ from rag.ingest_lock import exclusive_ingest
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
-from rag.settings import MAX_CANDIDATES, MAX_HITS_PER_DOCUMENT, Settings, check_collection_name
+from rag.settings import MAX_CANDIDATES, Settings, check_collection_name, check_max_hits_per_document
 from rag.source_order import order_sources
 from rag.types import Answer, Hit
 from retrieval.records import BuildSpec
@@ -261,12 +261,8 @@ class Rag:
 
         if max_hits_per_document is None:
             max_hits_per_document = self.settings.max_hits_per_document
-        elif isinstance(max_hits_per_document, bool) or not isinstance(max_hits_per_document, int) \
-                or not 0 <= max_hits_per_document <= MAX_HITS_PER_DOCUMENT:
-            # Checked here, in the caller's words: True would pass as 1, and the retriever's own
-            # error names its internal argument.
-            raise ConfigError(f"max_hits_per_document must be an integer from 0 (no cap) to "
-                              f"{MAX_HITS_PER_DOCUMENT}, got {max_hits_per_document!r}")
+        else:  # checked here, in the caller's words: the retriever's error names its own argument
+            check_max_hits_per_document(max_hits_per_document)
         return Retriever(store, embed_query, self.batched_reranker if use_rerank else None,
                          max_per_document=max_hits_per_document or None,  # 0: no cap
                          fuse_rerank=self.settings.fuse_rerank, embed_passages=embed_passages,

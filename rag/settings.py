@@ -26,6 +26,18 @@ MAX_CANDIDATES = 1000
 MAX_HITS_PER_DOCUMENT = 100  # most hits of one document in a result (0 = no cap)
 
 
+def check_max_hits_per_document(value: object) -> int:
+    """`value` if it is a whole number in 0..MAX_HITS_PER_DOCUMENT (0: no cap), else ConfigError saying so.
+
+    For the callers that bypass the setting's own validation (Rag.query, experiment configs).
+    """
+    # bool is an int in Python: True would quietly mean a cap of 1.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_HITS_PER_DOCUMENT:
+        raise ConfigError(f"max_hits_per_document must be a whole number between 0 and {MAX_HITS_PER_DOCUMENT} "
+                          f"(0: no cap), got {value!r}")
+    return value
+
+
 class Settings(BaseSettings):
     """Every knob of the framework, with defaults that run the embedded setup."""
 

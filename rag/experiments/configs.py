@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rag.errors import ConfigError
-from rag.settings import MAX_CANDIDATES, Settings
+from rag.settings import MAX_CANDIDATES, check_max_hits_per_document
 
 MODES = ("dense", "keyword", "hybrid")
 STORES = ("faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector")
@@ -25,14 +25,6 @@ _ALIASES = {"chunk": "chunk_max_tokens", "chunk_tokens": "chunk_max_tokens", "ov
 _BOOLEAN_FIELDS = ("rerank", "chunk_title_context", "dense_feedback")
 _INTEGER_FIELDS = ("k", "candidates", "chunk_max_tokens", "chunk_overlap_tokens", "max_hits_per_document")
 
-
-def _setting_bounds(name: str) -> tuple[int, int]:
-    """A setting's (ge, le) bounds, so a configuration accepts exactly what the setting accepts."""
-    metadata = Settings.model_fields[name].metadata
-    return (next(m.ge for m in metadata if hasattr(m, "ge")), next(m.le for m in metadata if hasattr(m, "le")))
-
-
-_MAX_HITS_BOUNDS = _setting_bounds("max_hits_per_document")  # (0, 100); 0 = no cap
 _TRUE, _FALSE = {"on", "true", "yes", "1"}, {"off", "false", "no", "0"}
 
 
@@ -76,12 +68,8 @@ class Config:
             raise ConfigError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
         if self.dense_feedback is not None and not isinstance(self.dense_feedback, bool):
             raise ConfigError(f"dense_feedback must be True or False (on/off), got {self.dense_feedback!r}")
-        low, high = _MAX_HITS_BOUNDS
-        if self.max_hits_per_document is not None and (
-                isinstance(self.max_hits_per_document, bool) or not isinstance(self.max_hits_per_document, int)
-                or not low <= self.max_hits_per_document <= high):
-            raise ConfigError(f"max_hits_per_document must be a whole number between {low} and {high} "
-                              f"(0: no cap), got {self.max_hits_per_document!r}")
+        if self.max_hits_per_document is not None:
+            check_max_hits_per_document(self.max_hits_per_document)
         if self.chunk_max_tokens is not None and not 16 <= self.chunk_max_tokens <= 512:
             raise ConfigError(f"chunk_max_tokens must be between 16 and 512, got {self.chunk_max_tokens}")
         if self.chunk_overlap_tokens is not None and not 0 <= self.chunk_overlap_tokens <= 255:

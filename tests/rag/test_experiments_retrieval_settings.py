@@ -137,6 +137,6 @@ def test_the_default_follows_the_rags_settings(lab_rag, lab_copy, rag_factory):
 @pytest.mark.parametrize("value", [True, -1, 101, 1.5, "2"])
 def test_rag_query_refuses_a_bad_per_document_cap_in_its_own_words(lab_rag, value):
     # True used to pass as 1, and -1 failed with the retriever's internal argument name.
-    with pytest.raises(ConfigError, match=r"max_hits_per_document must be an integer from 0 \(no cap\) to 100"):
+    with pytest.raises(ConfigError, match=r"max_hits_per_document must be a whole number between 0 and 100"):
         lab_rag.query("How do I book the confocal microscope?", lab_rag.principal("carol"), generate=False,
                       max_hits_per_document=value)
