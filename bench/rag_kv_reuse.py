@@ -56,7 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -234,6 +234,20 @@ class LoadResult:
     output_tokens: int
     seconds: float
     requests: int
+    # (arrival offset, TTFT) of each request of a rate load, in arrival order: whether the queue grew
+    by_arrival: list[tuple[float, float]] = field(default_factory=list)
+
+    def queue_growth(self) -> float | None:
+        """p50 TTFT of the last third of arrivals over that of the first third.
+
+        A server within its capacity holds its queue steady (about 1x, give or take noise); past
+        it the queue, and so the TTFT, grows for as long as arrivals go on.
+        """
+        if len(self.by_arrival) < 9:
+            return None
+        ttfts = [t for _, t in sorted(self.by_arrival)]
+        third = len(ttfts) // 3
+        return percentile(ttfts[-third:], 0.5) / percentile(ttfts[:third], 0.5)
 
 
 def arrivals_for(load: str, n: int, capacity: float | None, seed: int = 1) -> list[float] | None:
@@ -278,6 +292,7 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
                 trace.requests.append((t0 - start, first - t0))
         return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
     arrival_of: dict[int, float] = {}
+    by_arrival: list[tuple[float, float]] = []
     pending = finished = 0
 
     def arrived() -> bool:  # what a server's request queue tells the engine between steps
@@ -303,10 +318,11 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
             if u.request_id in arrival_of and u.new_token_ids:
                 arrival = arrival_of.pop(u.request_id)
                 ttft.append(done_at - arrival)
+                by_arrival.append((arrival, done_at - arrival))
                 if trace is not None:
                     trace.requests.append((arrival, done_at - arrival))
             finished += u.finished
-    return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
+    return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream), by_arrival)
 
 
 class StepTrace:
@@ -594,10 +610,15 @@ def main() -> None:
 
 
 TABLE_HEAD = (
-    "| mode | load | p50 TTFT ms | p99 TTFT ms | p50 vs no-cache | output tok/s | vs no-cache | prefix hit "
-    "| chunk hits/misses | host hits | prompt tokens computed | batches stopped early | ideal speed-up |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| mode | load | p50 TTFT ms | p99 TTFT ms | p50 vs no-cache | output tok/s | vs no-cache | prefix hit | "
+    "chunk hits/misses | host hits | prompt tokens computed | batches stopped early | queue growth | ideal speed-up |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+# A rate load whose last third of arrivals waits at most this much longer (p50) than its first
+# third held its queue: the server kept up with it.
+STEADY_QUEUE = 1.5
 
 
 def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> str:  # noqa: ANN001
@@ -610,10 +631,11 @@ def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> st
     rel_tput = f"{tput / (base[0].output_tokens / base[0].seconds):.2f}x" if base and load != "seq" else "-"
     ideal = ideal_speedup(corpus, history_of(warm_stream, streams, load), streams[load], mode)
     name = f"{load} ({float(load[:-1]) * capacity:.2f}/s)" if load.endswith("x") and capacity else load
+    growth = r.queue_growth() if load != "offline" else None  # a burst has no arrival order
     return (
         f"| {mode} | {name} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
         f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {c['host_hits']} | "
-        f"{c['computed']} | {c['stopped_early']} | {ideal:.2f}x |"
+        f"{c['computed']} | {c['stopped_early']} | {'-' if growth is None else f'{growth:.2f}x'} | {ideal:.2f}x |"
     )
 
 
@@ -651,12 +673,20 @@ def print_goals(results, modes, loads, corpus, warm_stream, streams) -> None:  #
             what = "sequential TTFT" if load == "seq" else "offline throughput"
             print(f"  {mode}: {what} {got:.2f}x of ideal {ideal:.2f}x = {got / ideal:.0%} (goal >= 80%)")
     rates = [load for load in loads if load not in ("seq", "offline")]
-    if rates and ("no-cache", rates[-1]) in results:
-        top = rates[-1]
+    # "Near the no-cache server's capacity": the highest rate whose queue no-cache still holds
+    # steady. The offline burst's requests/s (what "1.0x" means) is only a lower bound of it: its
+    # first seconds are prefill alone and its last decode a shrinking batch.
+    kept_up = [rt for rt in rates if ("no-cache", rt) in results
+               and (results[("no-cache", rt)][0].queue_growth() or 0.0) <= STEADY_QUEUE]  # fmt: skip
+    for top in dict.fromkeys(rates[-1:] + kept_up[-1:]):
+        if ("no-cache", top) not in results:
+            continue
+        growth = results[("no-cache", top)][0].queue_growth()
+        held = "no-cache's queue steady" if top in kept_up else "no-cache's queue growing"
         for mode in modes:
-            if mode != "no-cache":
-                print(f"  {mode}: p50 TTFT at {top} {p50('no-cache', top) / p50(mode, top):.2f}x lower than no-cache "
-                      "(goal >= 5x)")  # fmt: skip
+            if mode != "no-cache" and (mode, top) in results:
+                print(f"  {mode}: p50 TTFT at {top} ({held}, growth {growth or 0:.2f}x) "
+                      f"{p50('no-cache', top) / p50(mode, top):.2f}x lower than no-cache (goal >= 5x)")  # fmt: skip
     for chunk_mode in ("chunks", "chunks-inplace"):
         if ("exact-rank", rates[-1] if rates else "seq") in results and chunk_mode in modes:
             for load in [*(["seq"] if "seq" in loads else []), *rates]:
