@@ -170,7 +170,8 @@ class BlockManager:
     def release_held(self, seq: Sequence) -> None:
         """Drop seq's references to the blocks its copies read (the copies have run)."""
         held, seq.held_blocks, seq.kv_copies = seq.held_blocks, [], []
-        for block_id in held:
+        # Last block first, as deallocate does: each chain's tail is evicted before its head.
+        for block_id in reversed(held):
             self._decref(block_id)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

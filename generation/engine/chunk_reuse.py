@@ -65,7 +65,9 @@ class ChunkReusePlan:
 
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (source block, logical block, delta)
     filled_ranges: list[tuple[int, int]] = field(default_factory=list)
-    held_blocks: list[int] = field(default_factory=list)  # distinct sources, referenced until copied
+    # Distinct canonical blocks the plan reads or walks (copy sources and the recomputed leading
+    # blocks before them), referenced until the copies ran.
+    held_blocks: list[int] = field(default_factory=list)
     num_chunks_reused: int = 0
     # Chunks computed in place: not block-aligned, or their canonical KV was evicted since arrival.
     num_chunks_in_place: int = 0
@@ -166,9 +168,13 @@ class ChunkReusePlanner:
                 continue
             plan.num_chunks_reused += 1
             delta = start - len(head.token_ids)
-            for j in range((fill_start - start) // bs, usable):
+            first_copied = (fill_start - start) // bs
+            for j in range(first_copied, usable):
                 plan.copies.append((canonical[j], start // bs + j, delta))
-                plan.held_blocks.append(canonical[j])
+            # Held (and so refreshed in the eviction order and counted as hits) from the chain's
+            # first block, not only the copied ones: the recomputed leading blocks are what every
+            # lookup walks first, and evicting them would orphan the whole chunk however popular.
+            plan.held_blocks.extend(canonical[:usable])
             plan.filled_ranges.append((fill_start, fill_end))
         plan.held_blocks = list(dict.fromkeys(plan.held_blocks))
         return plan

@@ -3,6 +3,8 @@ isolated by namespace, head and text (by counters), blended blocks never publish
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -270,7 +272,7 @@ def test_a_preempted_blended_sequence_plans_again_and_balances_references(tiny):
     roomy.generate_segmented([MIXED], SamplingParams(max_tokens=1, ignore_eos=True))
     want = roomy.generate_segmented([REORDERED, REORDERED], params)
     # A pool too small for both to decode 40 tokens: the newer is preempted and readmitted.
-    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=36, kv_reuse="chunks",
+    tight = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=38, kv_reuse="chunks",
                 chunk_miss="wait")  # fmt: skip
     engine = tight.engine
     tight.generate_segmented([MIXED], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -335,3 +337,32 @@ def test_the_async_engine_streams_a_segmented_request_with_chunk_reuse(tiny):
         assert (m.chunk_cache_misses, m.chunks_computed_in_place) == (3, 0) and m.chunk_reused_tokens > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("chunk_miss", ["wait", "in_place"])
+def test_a_chunk_reused_often_outlives_traffic_that_cycles_the_pool(tiny, chunk_miss):
+    # Each reuse recomputes the chunk's first block and copies the rest; the first block is still
+    # the head of the chain every lookup walks, so a reuse must refresh it too. Were only the
+    # copied blocks refreshed, other traffic would evict the never-touched first block and every
+    # later lookup would miss, however often the chunk is retrieved.
+    llm = LLM(tiny, device="cpu", dtype=torch.float32, block_size=BS, num_kv_blocks=40,
+              kv_reuse="chunks", chunk_miss=chunk_miss)  # fmt: skip
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def ask(n: int) -> list[PromptSegment]:  # another label each time: no exact prefix covers the chunk
+        return [HEAD, label(n), CHUNK_A, QUESTION]
+
+    for n in range(2):  # in_place compiles from the second miss on
+        llm.generate_segmented([ask(n)], one)
+    before = llm.metrics()
+    rng = random.Random(0)
+    rounds = 12
+    for n in range(2, 2 + rounds):
+        llm.generate_segmented([ask(n)], one)
+        # Unrelated prompts, published and released: 28 blocks a round cycle the 40-block pool.
+        fillers = [[rng.randrange(100, 128) for _ in range(25)] for _ in range(4)]
+        llm.generate(fillers, one)
+        llm.engine.block_manager.check_invariants()
+    after = llm.metrics()
+    assert after.chunk_cache_hits - before.chunk_cache_hits == rounds
+    assert after.chunk_cache_misses == before.chunk_cache_misses
