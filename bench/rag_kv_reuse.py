@@ -56,7 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -230,12 +230,15 @@ def submit(engine: LLMEngine, corpus: Corpus, mode: str, req: Request, params: S
 
 @dataclass
 class LoadResult:
-    ttft: list[float]
+    # (arrival offset from the load's start, TTFT) of each request, in first-token order
+    timed: list[tuple[float, float]]
     output_tokens: int
     seconds: float
     requests: int
-    # (arrival offset, TTFT) of each request of a rate load, in arrival order: whether the queue grew
-    by_arrival: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> list[float]:
+        return [t for _, t in self.timed]
 
     def queue_growth(self) -> float | None:
         """p50 TTFT of the last third of arrivals over that of the first third.
@@ -243,9 +246,9 @@ class LoadResult:
         A server within its capacity holds its queue steady (about 1x, give or take noise); past
         it the queue, and so the TTFT, grows for as long as arrivals go on.
         """
-        if len(self.by_arrival) < 9:
+        if len(self.timed) < 9:
             return None
-        ttfts = [t for _, t in sorted(self.by_arrival)]
+        ttfts = [t for _, t in sorted(self.timed)]
         third = len(ttfts) // 3
         return percentile(ttfts[-third:], 0.5) / percentile(ttfts[:third], 0.5)
 
@@ -269,7 +272,7 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
              trace: StepTrace | None = None) -> LoadResult:  # fmt: skip
     """Serve the stream; TTFT from each request's arrival time to the step that gave its first token."""
     out_tokens = 0
-    ttft: list[float] = []
+    timed: list[tuple[float, float]] = []
     full_batches = "+full-batches" in mode
     start = time.monotonic()
     if arrivals is None:  # seq: one at a time
@@ -287,12 +290,9 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
                     out_tokens += len(u.new_token_ids)
                     if u.request_id == rid and first is None and u.new_token_ids:
                         first = time.monotonic()
-            ttft.append(first - t0)
-            if trace is not None:
-                trace.requests.append((t0 - start, first - t0))
-        return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream))
+            timed.append((t0 - start, first - t0))
+        return LoadResult(timed, out_tokens, time.monotonic() - start, len(stream))
     arrival_of: dict[int, float] = {}
-    by_arrival: list[tuple[float, float]] = []
     pending = finished = 0
 
     def arrived() -> bool:  # what a server's request queue tells the engine between steps
@@ -317,12 +317,9 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
             out_tokens += len(u.new_token_ids)
             if u.request_id in arrival_of and u.new_token_ids:
                 arrival = arrival_of.pop(u.request_id)
-                ttft.append(done_at - arrival)
-                by_arrival.append((arrival, done_at - arrival))
-                if trace is not None:
-                    trace.requests.append((arrival, done_at - arrival))
+                timed.append((arrival, done_at - arrival))
             finished += u.finished
-    return LoadResult(ttft, out_tokens, time.monotonic() - start, len(stream), by_arrival)
+    return LoadResult(timed, out_tokens, time.monotonic() - start, len(stream))
 
 
 class StepTrace:
@@ -330,7 +327,6 @@ class StepTrace:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[float, float, str, int]] = []
-        self.requests: list[tuple[float, float]] = []
         self.last_batch = ""
         schedule = engine.scheduler.schedule
 
@@ -360,7 +356,8 @@ class StepTrace:
         self._recording = recording_triton_compiles()
         self.compiles = self._recording.__enter__()
 
-    def report(self, worst: int = 3) -> None:
+    def report(self, timed: list[tuple[float, float]], worst: int = 3) -> None:
+        """Print the load's compiles, GC pauses and the steps of its `worst` slowest requests (of LoadResult.timed)."""
         self._recording.__exit__(None, None, None)
         print(f"    Triton kernels compiled during the load: {len(self.compiles)} {sorted(set(self.compiles))}")
         gc.callbacks.remove(self.on_gc)
@@ -369,7 +366,7 @@ class StepTrace:
             if pauses:
                 print(f"    GC generation {gen}: {len(pauses)} collections, {sum(pauses) * 1e3:.1f} ms in all, "
                       f"longest {max(pauses) * 1e3:.1f} ms")  # fmt: skip
-        for arrival, ttft in sorted(self.requests, key=lambda r: -r[1])[:worst]:
+        for arrival, ttft in sorted(timed, key=lambda r: -r[1])[:worst]:
             window = [s for s in self.steps if s[1] > arrival and s[0] < arrival + ttft]
             busy = sum(min(e, arrival + ttft) - max(b, arrival) for b, e, _, _ in window)
             print(f"    slow request: arrived {arrival * 1e3:.0f} ms, TTFT {ttft * 1e3:.0f} ms, "
@@ -591,7 +588,7 @@ def main() -> None:
             row = table_row(results, mode, load, corpus, warm_stream, streams, capacity)
             print(f"  {result.seconds:.1f} s {row}", flush=True)
             if trace is not None:
-                trace.report()
+                trace.report(result.timed)
                 del engine.scheduler.schedule  # back to the class's method
         if args.copy_back and "+host" in mode:
             copy_back.append((mode, *copy_back_vs_recompute(engine, corpus), *copy_out_stall(engine, corpus)))
@@ -631,7 +628,8 @@ def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> st
     rel_tput = f"{tput / (base[0].output_tokens / base[0].seconds):.2f}x" if base and load != "seq" else "-"
     ideal = ideal_speedup(corpus, history_of(warm_stream, streams, load), streams[load], mode)
     name = f"{load} ({float(load[:-1]) * capacity:.2f}/s)" if load.endswith("x") and capacity else load
-    growth = r.queue_growth() if load != "offline" else None  # a burst has no arrival order
+    # A queue only forms under arrivals: seq has none, and an offline burst arrives all at once.
+    growth = r.queue_growth() if load not in ("seq", "offline") else None
     return (
         f"| {mode} | {name} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
         f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {c['host_hits']} | "
