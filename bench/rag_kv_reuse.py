@@ -19,6 +19,9 @@ random bf16 weights. In one run, for each mode:
 A mode name ending in "+host" adds the host-memory tier (--host-kv-blocks); with --gpu-kv-blocks
 the GPU pool is made small enough that the popular chunks do not fit in it, which is when the
 tier matters (with the H200's whole memory the 8B model's pool holds every popular chunk).
+The tier copies hits back on a copy stream of its own, beside the steps that do not read them;
+"+host-inline" is the peer that copies them on the compute stream before the next step, as the
+tier did before (HostKVBuffer.overlap_copy_back = False).
 A mode name ending in "+full-batches" runs every multi-step decode batch to its last step, as
 the engine did before LLMEngine.step's `arrived`: the server loop here tells the engine when a
 request has arrived, and a batch then ends after the steps already launched (the peer row that
@@ -36,8 +39,9 @@ the warm engine, as on a long-running server:
               capacity measured in the same run (no-cache must run first)
 
 TTFT counts from each request's arrival (its Poisson time, not when the loop got to submit it).
-Printed: p50/p99 TTFT, output tokens/s, prefix-cache and chunk-cache hit rates, host-tier hits,
-prompt tokens computed, and the stream's ideal speed-up: prompt tokens / tokens that must still
+Printed: p50/p99 TTFT, output tokens/s, prefix-cache and chunk-cache hit rates, host-tier hits
+(blocks; in brackets how many of their copies back had landed before a step needed them / a step
+waited for), prompt tokens computed, and the stream's ideal speed-up: prompt tokens / tokens that must still
 be computed by the mode's own rules with an unbounded cache. Then the issue's goals, checked.
 --copy-back times restoring one chunk's blocks from the host tier against recomputing them.
 
@@ -71,7 +75,7 @@ from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace")
-SUFFIXES = ("", "+host", "+full-batches", "+host+full-batches")
+SUFFIXES = ("", "+host", "+host-inline", "+full-batches", "+host+full-batches")
 MODES = tuple(m + x for x in SUFFIXES for m in BASE_MODES if not (m == "no-cache" and "+host" in x))
 
 
@@ -511,6 +515,8 @@ def counters(before, after) -> dict:  # noqa: ANN001 (MetricsSnapshot)
         "chunk_hits": d("chunk_cache_hits"),
         "chunk_misses": d("chunk_cache_misses"),
         "host_hits": d("host_kv_hits"),
+        "copy_hidden": d("host_kv_copy_back_hidden"),
+        "copy_waited": d("host_kv_copy_back_waited"),
         "computed": d("prompt_computed_tokens"),
         "stopped_early": d("num_batches_stopped_early"),
     }
@@ -568,6 +574,8 @@ def main() -> None:
     copy_back: list[tuple[str, float, float, int, float, float, float]] = []
     for mode in modes:
         engine = LLMEngine(folder, engine_config(mode, device, dry, args.gpu_kv_blocks, args.host_kv_blocks))
+        if "+host-inline" in mode:
+            engine.model_runner.host_kv.overlap_copy_back = False
         t = time.monotonic()
         run_load(engine, corpus, mode, warm_stream, [0.0] * len(warm_stream), first_token)
         # Decoding batches of every size once (JIT-compiled kernels, CUDA graphs): otherwise the
@@ -632,9 +640,16 @@ def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> st
     growth = r.queue_growth() if load not in ("seq", "offline") else None
     return (
         f"| {mode} | {name} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
-        f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {c['host_hits']} | "
+        f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {host_hits(mode, c)} | "
         f"{c['computed']} | {c['stopped_early']} | {'-' if growth is None else f'{growth:.2f}x'} | {ideal:.2f}x |"
     )
+
+
+def host_hits(mode: str, c: dict) -> str:
+    """Host-tier hits, with how many copies back were hidden / waited for when they overlap."""
+    if "+host" not in mode or "+host-inline" in mode:
+        return str(c["host_hits"])
+    return f"{c['host_hits']} ({c['copy_hidden']}/{c['copy_waited']})"
 
 
 def print_table(results, modes, loads, corpus, warm_stream, streams, capacity) -> None:  # noqa: ANN001

@@ -290,6 +290,8 @@ class BlockManager:
                     self._incref(block_id)
                 held.append(block_id)
         finally:
+            if restored:
+                host.end_restore()
             # Last block first, as deallocate does: the chain's tail is evicted before its head.
             for block_id in reversed(held):
                 self._decref(block_id)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 
 import torch
 
+from generation.engine.copy_landing import CopyLanding
 from generation.engine.kv_cache_sizing import GIB, STAGING_BLOCKS, staging_size
 from rag.errors import ModelError
 
@@ -32,9 +34,15 @@ class HostKVBuffer:
     - a gather into staging waits for the host copies that still read it (`_busy`);
     - every write into host slots is on the copy stream, in order, so two writes to a slot reused
       by the tier land in the order they were issued;
-    - `swap_in` (on the compute stream) first gathers and copies what is noted and waits for the
-      copy stream, so it never reads a slot before a copy out into it has landed, nor overwrites
-      a noted block before it is gathered.
+    - `swap_in` first gathers what is noted (so a block noted for copying out is read before the
+      copy back overwrites it), then copies host to GPU on the copy stream, after the compute
+      stream's work so far (a block just freed may still be touched by a step in flight) and
+      after every earlier copy out (a slot is never read before its copy out has landed, and a
+      later copy out into it waits for the read);
+    - the copies back of one restore are a group with one event (CopyLanding): `before_step`
+      makes the compute stream wait only for the groups holding a block the step reads or
+      writes, and a gather for a copy out waits for the groups of its blocks. A restore at a
+      request's arrival thus runs beside the steps the request queues behind.
 
     More noted blocks than staging holds: the gather is done and staging is refilled after its
     copies (the step then waits for those, as before). The host never reads the buffer itself.
@@ -65,6 +73,10 @@ class HostKVBuffer:
             self.stream = torch.cuda.Stream(kv_cache.device)
         self._noted: list[tuple[int, int]] = []  # (GPU block, host slot) not gathered yet, in order
         self._busy: torch.cuda.Event | None = None  # after the last copy from staging to host
+        self.landing = CopyLanding()  # copies back still in flight (CUDA only; on CPU they are done at once)
+        # False: copies back run on the compute stream before the next step, as they did before
+        # they overlapped (bench/rag_kv_reuse.py's "+host-inline" peer).
+        self.overlap_copy_back = True
         size_gib = num_blocks * kv_cache[:, :, 0].numel() * kv_cache.element_size() / GIB
         try:
             # Empty, not zeros: a slot is only ever read after a copy out wrote it.
@@ -87,18 +99,48 @@ class HostKVBuffer:
         self._noted.append((block_id, slot))
 
     def swap_in(self, slot: int, block_id: int) -> None:
-        """Copy host slot `slot` into GPU block block_id (in order on the compute stream)."""
+        """Copy host slot `slot` into GPU block block_id (on CUDA beside the compute stream; see the class)."""
         with torch.no_grad():
-            if self.staging is not None:
+            if self.staging is None:
+                self.kv_cache[:, :, block_id].copy_(self.blocks[slot])
+                return
+            if not self.overlap_copy_back:
                 self._copy_noted()
-                if self._busy is not None:
+                if self._busy is not None:  # the slot's copy out has landed
                     torch.cuda.current_stream(self.kv_cache.device).wait_event(self._busy)
-            self.kv_cache[:, :, block_id].copy_(self.blocks[slot], non_blocking=True)
+                self.kv_cache[:, :, block_id].copy_(self.blocks[slot], non_blocking=True)
+                return
+            if self._noted:
+                self._copy_noted()  # closes the open group; the copy stream then follows the gather
+            if not self.landing.is_open:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.kv_cache.device))
+                self.stream.wait_event(ready)
+            with torch.cuda.stream(self.stream):
+                self.kv_cache[:, :, block_id].copy_(self.blocks[slot], non_blocking=True)
+            self.landing.add(block_id)
 
-    def before_step(self) -> None:
-        """Gather the blocks noted for copying out, and start their copies to host beside the step."""
+    def end_restore(self) -> None:
+        """The copies back of one restore are all issued: they land, and are waited for, as one group."""
+        if self.staging is not None:
+            self._close_landing()
+
+    def before_step(self, touched: Callable[[], Collection[int]] | None = None) -> None:
+        """Before launching a step: gather the blocks noted for copying out and start their copies to
+        host beside the step, and make the step wait for the copies back it needs.
+
+        Args:
+            touched: the GPU blocks the step reads or writes, asked for only while a copy back is in
+                flight; None waits for every copy back.
+        """
+        if self.staging is None:
+            return
         if self._noted:
             self._copy_noted()
+        self._close_landing()
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        for event in self.landing.take_needed(touched):
+            compute.wait_event(event)
 
     def synchronize(self) -> None:
         """Wait on the host until every copy issued so far has landed (timing, tests)."""
@@ -106,16 +148,29 @@ class HostKVBuffer:
         if self.stream is not None:
             self.stream.synchronize()
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
+            self.landing.prune()
 
     @property
     def num_staging_blocks(self) -> int:
         return 0 if self.staging is None else len(self.staging)
 
+    def _close_landing(self) -> None:
+        def record() -> torch.cuda.Event:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return event
+
+        self.landing.close(record)
+
     def _copy_noted(self) -> None:
         if not self._noted:
             return
         compute = torch.cuda.current_stream(self.kv_cache.device)
+        self._close_landing()  # copies out issued below are not part of the copies back before them
+        noted = {block_id for block_id, _ in self._noted}
         with torch.no_grad():
+            for event in self.landing.take_needed(lambda: noted):
+                compute.wait_event(event)  # a block restored, then evicted before its copy back landed
             if self._busy is not None:
                 compute.wait_event(self._busy)  # staging is still being read by the last copies
             for i, (block_id, _) in enumerate(self._noted):

@@ -17,9 +17,10 @@ plus host hits) and clock is the priority of the last entry evicted. Frequent bl
 clock ages them, so a block popular long ago loses to one used often lately; ties go to the
 least recently used. A block already held here is not copied again (swap out once, RAGCache).
 
-No torch here: the copies go through a `KVBlockCopier` (the model runner's HostKVBuffer), issued
-in program order on the device's stream, so a copy out always reads a block before its reuse
-overwrites it, and a copy back reads a slot before a later copy out reuses it.
+No torch here: the copies go through a `KVBlockCopier` (the model runner's HostKVBuffer), which
+orders them so that a copy out always reads a block before its reuse overwrites it, a copy back
+reads a slot before a later copy out reuses it, and a step waits for the copies back it reads
+(on CUDA they run on a copy stream beside the steps; see HostKVBuffer).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class KVBlockCopier(Protocol):
     def swap_out(self, block_id: int, slot: int) -> None: ...
 
     def swap_in(self, slot: int, block_id: int) -> None: ...
+
+    def end_restore(self) -> None:
+        """The swap_ins of one restore are all issued (they may be waited for as one group)."""
 
 
 @dataclass(slots=True)
@@ -128,6 +132,10 @@ class HostKVTier:
         self.copier.swap_in(slot, block_id)
         self.num_hits += 1
         self.num_swapped_in += 1
+
+    def end_restore(self) -> None:
+        """A restore (one chain's copies back) is complete: the copier may close their group."""
+        self.copier.end_restore()
 
     def clear(self) -> int:
         """Forget every entry (a cache reset); returns how many were dropped."""

@@ -214,6 +214,10 @@ class LLMEngine:
         """Queue a request built by make_request or make_segmented_request; returns its id."""
         seq = request.seq
         behind: list[tuple[PromptSegment, PromptSegment]] = []
+        if self.block_manager.host_tier is not None:
+            # Blocks of its exact prefix that the host tier holds start coming back now, beside the
+            # steps the request queues behind (admission restores what is evicted meanwhile).
+            self.block_manager.restore_from_host(seq)
         if seq.segments is not None and self.chunk_planner is not None:
             head = seq.segments[0]
             for chunk in seq.segments:

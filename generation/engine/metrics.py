@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from generation.engine.copy_landing import CopyLanding
 from generation.engine.host_kv_tier import HostKVTier
 from generation.engine.scheduler import Scheduler
 
@@ -81,6 +82,10 @@ class MetricsSnapshot:
     host_kv_swapped_out: int = 0
     host_kv_swapped_in: int = 0
     host_kv_evictions: int = 0
+    # Blocks copied back on the GPU's copy stream (CUDA only) that had landed before a step needed
+    # them (hidden behind other work) and those a step or copy out had to wait for.
+    host_kv_copy_back_hidden: int = 0
+    host_kv_copy_back_waited: int = 0
     # Multi-step decode batches ended before their planned last step so that a waiting request
     # could join (LLMEngine.step's stop_early), and the planned steps that were not run.
     num_batches_stopped_early: int = 0
@@ -199,6 +204,17 @@ def _host_tier_counters(host: HostKVTier | None) -> dict[str, int]:
         "host_kv_swapped_out": host.num_swapped_out,
         "host_kv_swapped_in": host.num_swapped_in,
         "host_kv_evictions": host.num_evictions,
+        **_copy_back_counters(getattr(host.copier, "landing", None)),
+    }
+
+
+def _copy_back_counters(landing: CopyLanding | None) -> dict[str, int]:
+    # Only HostKVBuffer overlaps its copies back (and only on CUDA); other copiers have no landing.
+    if landing is None:
+        return {}
+    return {
+        "host_kv_copy_back_hidden": landing.num_hidden_blocks,
+        "host_kv_copy_back_waited": landing.num_waited_blocks,
     }
 
 

@@ -224,7 +224,7 @@ class ModelRunner:
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the batch's first step (writing its KV) and return fp32 logits [N, V] of its sampling entries."""
         if self.host_kv is not None:
-            self.host_kv.before_step()
+            self.host_kv.before_step(lambda: touched_blocks(batch))
         self.copy_kv_blocks(batch.kv_copies)
         return self.step_logits(self.prepare_inputs(batch)).float()
 
@@ -257,7 +257,8 @@ class ModelRunner:
     ) -> _BatchRun | None:
         """Queue the batch's first step on the device; None when no entry samples."""
         if self.host_kv is not None:
-            self.host_kv.before_step()  # after the host tier's copies of this schedule
+            # After the host tier's copies of this schedule; waits only for the copies back it reads.
+            self.host_kv.before_step(lambda: touched_blocks(batch))
         self.copy_kv_blocks(batch.kv_copies)
         inputs = self.prepare_inputs(batch)
         logits = self.step_logits(inputs)
@@ -417,6 +418,16 @@ class ModelRunner:
             return host
         # Pinned host memory lets the copy run asynchronously with the host preparing what follows.
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def touched_blocks(batch: ScheduledBatch) -> set[int]:
+    """Every KV block a batch's steps read or write: its sequences' block tables (lookahead blocks
+    included, reserved at scheduling) and its chunk copies' sources and destinations."""
+    blocks = {block_id for entry in batch.entries for block_id in entry.seq.block_table}
+    for src, dst, _ in batch.kv_copies:
+        blocks.add(src)
+        blocks.add(dst)
+    return blocks
 
 
 def pick_device(device: str | None) -> torch.device:

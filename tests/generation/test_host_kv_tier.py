@@ -33,6 +33,9 @@ class RecordingCopier:
     def swap_in(self, slot: int, block_id: int) -> None:
         self.calls.append(("in", slot, block_id))
 
+    def end_restore(self) -> None:
+        self.calls.append(("end", -1, -1))
+
 
 def key(n: int, namespace: str = "ns") -> tuple[bytes, str, None, tuple[int, ...]]:
     tokens = (n, n + 1, n + 2, n + 3)
@@ -440,3 +443,98 @@ def test_random_traffic_on_cuda_through_a_tight_pool_generates_what_a_roomy_one_
     assert_same_outputs_one_by_one(roomy, tight, prompts)
     m = tight.metrics()
     assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 3
+
+
+def test_each_restore_ends_its_own_copy_group():
+    # A step waits for the copies back of the restores whose blocks it reads, not for every copy
+    # issued since the last step: each restore (one chain) closes its own group, and a restore
+    # that copied nothing closes none.
+    copier = RecordingCopier()
+    bm = BlockManager(4, BS, host_tier=HostKVTier(8, copier))
+    a, b, c = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]
+    for tokens in (a, b, c, [16, 17, 18, 19, 20], [21, 22, 23, 24, 25]):
+        computed_and_released(bm, tokens)  # a 4-block pool: a and b go to the host
+    copier.calls.clear()
+    assert bm.restore_from_host(Sequence(a, max_tokens=1, namespace="ns")) == 1
+    assert bm.restore_from_host(Sequence(c, max_tokens=1, namespace="ns")) == 0  # on the GPU still
+    assert bm.restore_from_host(Sequence(b, max_tokens=1, namespace="ns")) == 1
+    assert [kind for kind, *_ in copier.calls if kind != "out"] == ["in", "end", "in", "end"]
+    bm.check_invariants()
+
+
+def test_a_request_starts_its_copies_back_at_arrival(tiny):
+    # Admission is too late to hide a copy back behind other work: the request's exact prefix
+    # comes back when it is added, and its first token is the same as from a roomy pool.
+    roomy = make_llm(tiny, num_kv_blocks=64)
+    tight = make_llm(tiny, num_kv_blocks=12, host_kv_blocks=16)
+    host = tight.engine.block_manager.host_tier
+    for llm in (roomy, tight):
+        prompt_logits(llm.engine, PROMPT_A, "ns")
+        for filler in FILLERS:
+            prompt_logits(llm.engine, filler, "ns")
+    assert gpu_cached_tokens(tight, PROMPT_A, "ns") == 0
+    request_id = tight.engine.add_request(PROMPT_A, ONE, "ns")
+    assert host.num_hits == 4, "the copies back start when the request arrives"
+    assert gpu_cached_tokens(tight, PROMPT_A, "ns") == 16
+    got = run_to_first_logits(tight.engine, request_id)
+    assert host.num_hits == 4  # admission found them on the GPU: nothing copied twice
+    assert torch.equal(got, prompt_logits(roomy.engine, PROMPT_A, "ns"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copies_back_overlap_steps_that_do_not_read_them_and_land_before_those_that_do():
+    # HostKVBuffer alone, with blocks big enough (16 MiB) that a read racing the copy would see
+    # the old contents: a step touching other blocks does not wait; one touching the block does,
+    # and reads the restored KV; a block restored and evicted again before its copy landed is
+    # gathered for its copy out only after it landed.
+    from generation.engine.host_kv_buffer import HostKVBuffer
+
+    kv = torch.randn(32, 2, 8, 64, 8, 128, device="cuda")
+    buffer = HostKVBuffer(kv, num_blocks=4, staging_blocks=2)
+    want = kv[:, :, 0].cpu()
+    buffer.swap_out(0, 0)
+    buffer.synchronize()
+    for _ in range(3):
+        kv[:, :, 3].zero_()
+        buffer.swap_in(0, 3)
+        buffer.end_restore()
+        waited = buffer.landing.num_waited_blocks
+        buffer.before_step(lambda: {5, 6})
+        assert buffer.landing.num_waited_blocks == waited, "a step not reading block 3 must not wait for it"
+        buffer.before_step(lambda: {3, 5})
+        seen = kv[:, :, 3].clone()  # on the compute stream, like a step
+        assert torch.equal(seen.cpu(), want)
+    kv[:, :, 4].zero_()
+    buffer.swap_in(0, 4)
+    buffer.end_restore()
+    buffer.swap_out(4, 1)  # evicted again at once: the gather must follow the copy back
+    buffer.synchronize()
+    assert torch.equal(buffer.blocks[1], want)
+    landing = buffer.landing
+    assert landing.num_in_flight_groups == 0
+    assert landing.num_hidden_blocks + landing.num_waited_blocks == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_requests_queued_behind_others_on_cuda_generate_what_a_roomy_pool_does(tiny):
+    # One sequence at a time: every request restored at arrival waits in the queue while others
+    # run, so its copies back overlap their steps; the outputs are those of a pool that never
+    # evicts, and every copy back is accounted for as hidden or waited.
+    def cuda_llm(num_kv_blocks: int, **args) -> LLM:
+        return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
+                   num_kv_blocks=num_kv_blocks, max_num_seqs=1, **args)  # fmt: skip
+
+    roomy, tight = cuda_llm(128), cuda_llm(14, host_kv_blocks=24)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = random_traffic(2, 12, 12)
+    for _ in range(2):
+        want = [o.token_ids for o in roomy.generate([p for p, _ in prompts], params, "acl:a")]
+        assert [o.token_ids for o in tight.generate([p for p, _ in prompts], params, "acl:a")] == want
+    buffer = tight.engine.model_runner.host_kv
+    buffer.synchronize()
+    m = tight.metrics()
+    assert m.host_kv_swapped_in > 0
+    assert m.host_kv_copy_back_hidden + m.host_kv_copy_back_waited == m.host_kv_swapped_in
+    tight.engine.block_manager.check_invariants()
