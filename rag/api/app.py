@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from generation.engine.startup_heap import freeze_startup_heap
 from rag.api import openapi_docs
 from rag.api.error_docs import without_unanswered_422
 from rag.api.errors import install_error_handlers
@@ -16,7 +17,7 @@ from rag.api.routes import chat, documents, health, page, query
 from rag.settings import Settings
 
 
-def create_app(settings: Settings, preload: bool = True) -> FastAPI:
+def create_app(settings: Settings, preload: bool = True, freeze_heap: bool = False) -> FastAPI:
     """Build the API app for one data directory.
 
     Args:
@@ -24,6 +25,8 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
         preload: load the models queries use at start-up rather than on the first query: the
             embedder, the reranker, and the generator unless answers are extracted
             (`answer_mode`), which never loads it.
+        freeze_heap: once preloaded, keep start-up objects out of later full garbage collections
+            (`freeze_startup_heap`; process-wide, so for a server process of its own: `rag serve`).
     """
 
     @asynccontextmanager
@@ -45,6 +48,10 @@ def create_app(settings: Settings, preload: bool = True) -> FastAPI:
 
         if preload:
             await asyncio.to_thread(load)
+        if preload and freeze_heap:
+            # Start-up is over: its objects (models, tokenizers, modules) stay out of full GCs,
+            # whose pauses otherwise land inside requests (generation/engine/startup_heap.py).
+            freeze_startup_heap()
         app.state.rag = rag
         try:
             yield

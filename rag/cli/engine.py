@@ -77,6 +77,7 @@ def serve(
     from generation.config import EngineConfig
     from generation.engine.async_engine import AsyncLLMEngine
     from generation.engine.llm_engine import LLMEngine
+    from generation.engine.startup_heap import freeze_startup_heap
     from generation.loader import resolve_model_dir
     from rag.engine_server import create_engine_app
     from rag.settings import load_settings
@@ -96,6 +97,7 @@ def serve(
     name = served_model_name or model_dir.name
     typer.echo(f"loading {model_dir} ...", err=True)
     engine = AsyncLLMEngine(LLMEngine(model_dir, config))
+    freeze_startup_heap()  # the model and modules stay out of the full GCs of serving
     app = create_engine_app(engine, name, key, owns_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     try:

@@ -417,7 +417,7 @@ def serve(
                              generator_model=generator_model, max_concurrent_generations=max_concurrent,
                              max_queued_generations=max_queued, log_format=log_format)
     log_config = configure_logging(settings.log_format)  # our access lines replace uvicorn's
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+    uvicorn.run(create_app(settings, freeze_heap=True), host=settings.host, port=settings.port, log_level="info",
                 log_config=log_config, access_log=False)
 
 

@@ -63,3 +63,22 @@ def test_without_preload_a_generating_service_loads_the_generator_on_the_first_a
         assert "generator" in rag.__dict__
     assert retrieval_only.status_code == 200 and retrieval_only.json()["answer"] is None
     assert answer.status_code == 200 and answer.json()["answer_mode"] == "generate" and answer.json()["answer"]
+
+
+def test_a_server_process_freezes_its_start_up_heap_once_loaded(lab_rag):
+    # `rag serve` asks for it (freeze_heap=True): models and modules leave the collector, so a
+    # full GC's pause (~0.3 s on the H200 host) no longer lands inside a request. Answers are unchanged.
+    import gc
+
+    key = lab_rag.identity.create_key("alice", ["genomics"])
+    assert gc.get_freeze_count() == 0
+    try:
+        with serving(create_app(lab_rag.settings, freeze_heap=True)) as url:
+            frozen = gc.get_freeze_count()
+            answer = _ask(url, key)
+        assert frozen > 10_000  # torch, transformers and the retrieval models, at least
+        assert answer.status_code == 200 and "-65 C" in answer.json()["answer"]
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as usual
+    with serving(create_app(lab_rag.settings)) as url:  # the default (tests, notebooks): nothing frozen
+        assert gc.get_freeze_count() == 0

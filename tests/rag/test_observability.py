@@ -228,7 +228,8 @@ def test_serve_log_format_json_sets_up_json_logs(monkeypatch, tmp_path):
     from rag.cli.main import app as cli
 
     seen = {}
-    monkeypatch.setattr(rag.api.app, "create_app", lambda settings: seen.setdefault("settings", settings))
+    monkeypatch.setattr(rag.api.app, "create_app",
+                        lambda settings, **options: seen.update(settings=settings, **options))  # fmt: skip
     monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: seen.update(kwargs))
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -236,6 +237,7 @@ def test_serve_log_format_json_sets_up_json_logs(monkeypatch, tmp_path):
         result = CliRunner().invoke(cli, ["--home", str(tmp_path), "serve", "--log-format", "json"])
         assert result.exit_code == 0, result.output
         assert seen["settings"].log_format == "json" and seen["access_log"] is False
+        assert seen["freeze_heap"] is True  # a server process of its own: start-up objects leave the GC
         assert seen["log_config"]["loggers"]["uvicorn.error"]["propagate"] is True
         assert any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
         bad = CliRunner().invoke(cli, ["--home", str(tmp_path), "serve", "--log-format", "xml"])
