@@ -104,15 +104,19 @@ class BatchedQueryEmbedder:
     """`embed_query` whose concurrent calls are embedded together.
 
     Args:
-        embed: the embedder's batch function (texts → (n, dim) float32 rows).
+        embed: the embedder's batch function (texts → (n, dim) float32 rows), the one passages
+            were embedded with.
+        query_prompt: put before each question (not before `many`'s passages): the model's
+            query instruction (Embedder.query_prompt; BGE's), "" for models without one.
     """
 
-    def __init__(self, embed: Callable[[list[str]], np.ndarray], max_batch: int = 64) -> None:
+    def __init__(self, embed: Callable[[list[str]], np.ndarray], max_batch: int = 64, query_prompt: str = "") -> None:
         self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
             lambda texts: list(embed(texts)), max_batch, name="query-embed-batcher")
+        self.query_prompt = query_prompt
 
     def __call__(self, question: str) -> np.ndarray:
-        return self.batcher(question)
+        return self.batcher(self.query_prompt + question)
 
     def many(self, texts: Sequence[str]) -> np.ndarray:
         """(n, dim) rows for several texts, embedded in one pass (with whatever else is queued)."""

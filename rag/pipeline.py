@@ -93,9 +93,11 @@ class Rag:
     @cached_property
     def embedder(self) -> Embedder:
         from ingest.embed.embedder import Embedder, EmbedderConfig
+        from ingest.embed.packaged_bge import resolve_embedder_dir
 
         devices = tuple(self.settings.embed_devices) if self.settings.embed_devices else None
-        return Embedder(EmbedderConfig(model=self.settings.embedder, device=self.settings.device,
+        model = resolve_embedder_dir(self.settings.embedder, self.settings.model_cache)  # "bge-small-en": converted
+        return Embedder(EmbedderConfig(model=model, device=self.settings.device,
                                        batch_size=self.settings.embed_batch_size, dtype=self.settings.embed_dtype,
                                        devices=devices, max_batch_tokens=self.settings.embed_max_batch_tokens))
 
@@ -270,7 +272,7 @@ class Rag:
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:
-        return BatchedQueryEmbedder(self.embedder.embed)
+        return BatchedQueryEmbedder(self.embedder.embed, query_prompt=self.embedder.query_prompt)
 
     @cached_property
     def batched_reranker(self) -> BatchedReranker:

@@ -51,7 +51,8 @@ class Settings(BaseSettings):
     collection: str = Field(default="default", description="collection used when none is named")
     # Models: a local Hugging Face folder each; None means the packaged default
     # (all-MiniLM-L6-v2, ms-marco-MiniLM-L-12-v2, SmolLM2-135M-Instruct).
-    embedder: str | None = Field(default=None, description="local HF encoder folder")
+    embedder: str | None = Field(default=None, description=(
+        "local HF encoder folder; \"bge-small-en\" for the packaged BGE (converted once); unset: all-MiniLM-L6-v2"))
     reranker: str | None = Field(default=None, description="local HF cross-encoder folder")
     generator: str | None = Field(default=None, description="local HF causal-LM folder or .gguf file")
     device: str | None = Field(default=None, description="cpu or cuda; None = cuda when available")
