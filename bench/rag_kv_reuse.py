@@ -21,7 +21,9 @@ the GPU pool is made small enough that the popular chunks do not fit in it, whic
 tier matters (with the H200's whole memory the 8B model's pool holds every popular chunk).
 The tier copies hits back on a copy stream of its own, beside the steps that do not read them;
 "+host-inline" is the peer that copies them on the compute stream before the next step, as the
-tier did before (HostKVBuffer.overlap_copy_back = False).
+tier did before (HostKVBuffer.overlap_copy_back = False). The tier copies out only blocks used on
+the GPU (EngineConfig.host_kv_admit_uses = 1: hit at least once, or published by a chunk compile);
+"+host-all" is the peer that copies out every published block the GPU evicts, as it did before.
 A mode name ending in "+full-batches" runs every multi-step decode batch to its last step, as
 the engine did before LLMEngine.step's `arrived`: the server loop here tells the engine when a
 request has arrived, and a batch then ends after the steps already launched (the peer row that
@@ -76,7 +78,7 @@ from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace")
-SUFFIXES = ("", "+host", "+host-inline", "+full-batches", "+host+full-batches")
+SUFFIXES = ("", "+host", "+host-inline", "+host-all", "+full-batches", "+host+full-batches")
 MODES = tuple(m + x for x in SUFFIXES for m in BASE_MODES if not (m == "no-cache" and "+host" in x))
 
 
@@ -502,7 +504,7 @@ def engine_config(mode: str, device: str, dry: bool, gpu_blocks: int | None, hos
         device=device, dtype="bfloat16" if device == "cuda" else "float32",
         enable_prefix_caching=base != "no-cache", kv_reuse="chunks" if base.startswith("chunks") else "exact",
         chunk_miss="in_place" if base == "chunks-inplace" else "wait",
-        host_kv_blocks=host_blocks if "+host" in mode else 0,
+        host_kv_blocks=host_blocks if "+host" in mode else 0, host_kv_admit_uses=0 if "+host-all" in mode else 1,
         max_model_len=512 if dry else 8192, num_kv_blocks=gpu_blocks or (2048 if dry else None),
     )  # fmt: skip
 
@@ -518,6 +520,7 @@ def counters(before, after) -> dict:  # noqa: ANN001 (MetricsSnapshot)
         "host_hits": d("host_kv_hits"),
         "copy_hidden": d("host_kv_copy_back_hidden"),
         "copy_waited": d("host_kv_copy_back_waited"),
+        "copied_out": d("host_kv_swapped_out"),
         "computed": d("prompt_computed_tokens"),
         "stopped_early": d("num_batches_stopped_early"),
     }
@@ -621,8 +624,9 @@ def main() -> None:
 
 TABLE_HEAD = (
     "| mode | load | p50 TTFT ms | p99 TTFT ms | p50 vs no-cache | output tok/s | vs no-cache | prefix hit | "
-    "chunk hits/misses | host hits | prompt tokens computed | batches stopped early | queue growth | ideal speed-up |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "chunk hits/misses | host hits | host copies out | prompt tokens computed | batches stopped early | "
+    "queue growth | ideal speed-up |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -646,7 +650,8 @@ def table_row(results, mode, load, corpus, warm_stream, streams, capacity) -> st
     return (
         f"| {mode} | {name} | {p50:.1f} | {p99:.1f} | {rel_ttft} | {tput:.0f} | {rel_tput} | "
         f"{c['prefix_hit']:.2f} | {c['chunk_hits']}/{c['chunk_misses']} | {host_hits(mode, c)} | "
-        f"{c['computed']} | {c['stopped_early']} | {'-' if growth is None else f'{growth:.2f}x'} | {ideal:.2f}x |"
+        f"{c['copied_out'] if '+host' in mode else '-'} | {c['computed']} | {c['stopped_early']} | "
+        f"{'-' if growth is None else f'{growth:.2f}x'} | {ideal:.2f}x |"
     )
 
 

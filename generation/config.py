@@ -247,6 +247,11 @@ class EngineConfig:
             and recency (GDSF: clock + uses). Costs num_layers x 2 x block_size x kv_heads x
             head_dim x dtype bytes per block (2 MiB for Llama-3.1-8B in bf16). 0, the default, is
             off. Needs prefix caching. Range >= 0.
+        host_kv_admit_uses: a block the GPU evicts is copied to the host tier only if it was
+            used at least this often while on the GPU (prefix-cache hits on it; a chunk compile's
+            blocks start at one). 1, the default, keeps blocks computed once and never shared off
+            the PCIe bus, which cost exact-prefix traffic throughput when every block was copied
+            (docs/benchmarks.md); 0 admits every published block. Range >= 0.
 
     Raises:
         ValueError: a value out of range.
@@ -269,6 +274,7 @@ class EngineConfig:
     chunk_recompute_fraction: float = 0.15
     chunk_miss: str = "in_place"
     host_kv_blocks: int = 0
+    host_kv_admit_uses: int = 1
 
     def __post_init__(self) -> None:
         # The limits the scheduler shares are checked by the same function it uses, so both
@@ -290,6 +296,8 @@ class EngineConfig:
             raise ValueError(f"host_kv_blocks must be >= 0 (0 = no host tier), got {self.host_kv_blocks}")
         if self.host_kv_blocks and not self.enable_prefix_caching:
             raise ValueError("host_kv_blocks > 0 keeps prefix-cache blocks: enable_prefix_caching must be on")
+        if self.host_kv_admit_uses < 0:
+            raise ValueError(f"host_kv_admit_uses must be >= 0 (0 admits every block), got {self.host_kv_admit_uses}")
         # The recompute choice is checked where it lives (ChunkRecompute), with its own words.
         self.chunk_recompute_choice()
 

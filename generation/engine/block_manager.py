@@ -213,6 +213,7 @@ class BlockManager:
                 seq.block_namespace_key(i, self.block_size),
                 seq.block_hashes[i - 1] if i else None,
                 seq.block_tokens(i, self.block_size),
+                seq.published_block_uses,
             )
         self._num_published[seq.seq_id] = max(start, end)
 

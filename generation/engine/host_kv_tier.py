@@ -7,9 +7,14 @@ copies the KV back and publishes it again, as if it had been computed. Isolation
 because the key is the prefix cache's, compared in full (never only through the hash): a host
 entry is only ever found by the same namespace, prefix and text.
 
-Which blocks: every published block, not only chunks' canonical chains. In the pool a chunk's
-chain `head ‖ chunk` is an ordinary exact chain, as are the shared head and a conversation's
-history, and all of them are worth restoring; the priority below keeps the popular ones.
+Which blocks (admission): a published block the GPU evicts is copied out only if it was used at
+least `admit_uses` times (1 by default) while it was on the GPU: hits on it, plus one for the
+blocks of a chunk's compile, which the chunk doorkeeper only queues for a chunk retrieved twice.
+A block computed once and never shared (a prompt's tail past its first differing source, a cold
+chunk in place) is not worth the PCIe copy: exact-prefix traffic evicts mostly such blocks, and
+admitting them all cost those modes throughput (docs/benchmarks.md). Which kind of chain a block
+belongs to does not matter: a chunk's chain `head ‖ chunk`, the shared head and a conversation's
+history are ordinary exact chains, and the priority below keeps the popular ones.
 
 Eviction from the host tier: GDSF with uniform cost and size (whole blocks): priority =
 clock + frequency, where frequency counts the block's uses (hits on the GPU while it was there,
@@ -66,16 +71,20 @@ class HostKVTier:
     Args:
         num_blocks: host slots (>= 1).
         copier: carries out the copies; slot indices are in [0, num_blocks).
+        admit_uses: uses on the GPU a block needs to be copied out (>= 0; 0 admits every block).
 
     Raises:
-        ValueError: num_blocks < 1.
+        ValueError: num_blocks < 1 or admit_uses < 0.
     """
 
-    def __init__(self, num_blocks: int, copier: KVBlockCopier) -> None:
+    def __init__(self, num_blocks: int, copier: KVBlockCopier, admit_uses: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"host_kv_blocks must be >= 1 for a host tier, got {num_blocks}")
+        if admit_uses < 0:
+            raise ValueError(f"host_kv_admit_uses must be >= 0 (0 admits every block), got {admit_uses}")
         self.capacity = num_blocks
         self.copier = copier
+        self.admit_uses = admit_uses
         self._entries: dict[bytes, HostEntry] = {}
         self._free_slots = list(range(num_blocks - 1, -1, -1))
         # (priority, tick, hash), lowest first; an item is stale when its entry's tick moved on.
@@ -86,6 +95,7 @@ class HostKVTier:
         self.num_swapped_out = 0  # blocks copied to the host
         self.num_swapped_in = 0  # blocks copied back to the GPU
         self.num_evictions = 0  # host entries dropped for room
+        self.num_not_admitted = 0  # evicted blocks used too rarely to be copied out
 
     @property
     def num_used_blocks(self) -> int:
@@ -115,6 +125,9 @@ class HostKVTier:
             if self.find(block_hash, namespace, parent_hash, token_ids) is not None:
                 self._use(entry, uses)  # already here (restored earlier): no second copy
             return  # a hash held by another key cannot happen in practice; never overwrite it
+        if uses < self.admit_uses:
+            self.num_not_admitted += 1
+            return
         if not self._free_slots:
             self._evict()
         slot = self._free_slots.pop()

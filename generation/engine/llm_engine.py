@@ -115,11 +115,14 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         host_kv = self.model_runner.host_kv
+        host_tier = None
+        if host_kv is not None:
+            host_tier = HostKVTier(self.config.host_kv_blocks, host_kv, self.config.host_kv_admit_uses)
         self.block_manager = BlockManager(
             self.model_runner.num_kv_blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
-            HostKVTier(self.config.host_kv_blocks, host_kv) if host_kv is not None else None,
+            host_tier,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
@@ -292,6 +295,7 @@ class LLMEngine:
         ids, regions = compile_prompt(head, chunk)
         request = self.make_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), regions, incremental_text=False)
         request.internal = True
+        request.seq.published_block_uses = 1  # demand the chunk doorkeeper saw (host tier admission)
         self._compiles[key] = self.add(request)
         return request.request_id
 

@@ -75,13 +75,15 @@ class MetricsSnapshot:
     # evicted before admission).
     chunks_computed_in_place: int = 0
     # Host tier (EngineConfig.host_kv_blocks; zeros when off): its size and blocks held now, GPU
-    # misses it served, blocks copied out / back since start, and its own evictions.
+    # misses it served, blocks copied out / back since start, its own evictions, and evicted GPU
+    # blocks it did not take (used fewer than host_kv_admit_uses times).
     host_kv_blocks: int = 0
     host_kv_blocks_used: int = 0
     host_kv_hits: int = 0
     host_kv_swapped_out: int = 0
     host_kv_swapped_in: int = 0
     host_kv_evictions: int = 0
+    host_kv_not_admitted: int = 0
     # Blocks copied back on the GPU's copy stream (CUDA only) that had landed before a step needed
     # them (hidden behind other work) and those a step or copy out had to wait for.
     host_kv_copy_back_hidden: int = 0
@@ -204,6 +206,7 @@ def _host_tier_counters(host: HostKVTier | None) -> dict[str, int]:
         "host_kv_swapped_out": host.num_swapped_out,
         "host_kv_swapped_in": host.num_swapped_in,
         "host_kv_evictions": host.num_evictions,
+        "host_kv_not_admitted": host.num_not_admitted,
         **_copy_back_counters(getattr(host.copier, "landing", None)),
     }
 

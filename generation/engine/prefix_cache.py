@@ -103,11 +103,13 @@ class PrefixCache:
         namespace: NamespaceKey,
         parent_hash: bytes | None,
         token_ids: Sequence[int],
+        uses: int = 0,
     ) -> bool:
         """Publish a referenced block whose KV is computed; False if the hash already has a block.
 
         A duplicate (two requests computed the same block at once) stays private and is freed
-        normally: the first published copy serves later hits.
+        normally: the first published copy serves later hits. `uses`: demand already known for
+        the block (a chunk compile's), counted like hits for the host tier.
         """
         assert block_id not in self._by_block, f"block {block_id} is already cached"
         if block_hash in self._by_hash:
@@ -115,6 +117,8 @@ class PrefixCache:
         entry = CachedBlock(block_id, block_hash, namespace, parent_hash, tuple(token_ids))
         self._by_hash[block_hash] = entry
         self._by_block[block_id] = entry
+        if uses:
+            self._num_hits[block_id] = uses
         return True
 
     def is_cached(self, block_id: int) -> bool:

@@ -67,6 +67,9 @@ class Sequence:
         self.num_computed_tokens = 0
         # Leading tokens whose KV came from the prefix cache at the last allocation.
         self.num_cached_tokens = 0
+        # Uses each block this sequence publishes starts with, for the host tier's admission:
+        # 1 for a chunk compile (requests retrieved its chunk: the one waiting for it, or two misses), else 0.
+        self.published_block_uses = 0
         # Hash chain of the full blocks, filled lazily by the block manager. Tokens are append-only,
         # so the hashes stay valid across preemption and need computing once per sequence.
         self.block_hashes: list[bytes] = []

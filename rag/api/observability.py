@@ -165,6 +165,8 @@ _ENGINE_METRICS = (
      "KV blocks copied from the GPU to the host tier"),
     (CounterMetricFamily, "rag_engine_host_kv_swapped_in", "host_kv_swapped_in",
      "KV blocks copied from the host tier back to the GPU"),
+    (CounterMetricFamily, "rag_engine_host_kv_not_admitted", "host_kv_not_admitted",
+     "KV blocks evicted from the GPU that were used too rarely to be copied to the host tier"),
     (CounterMetricFamily, "rag_engine_host_kv_copy_back_hidden", "host_kv_copy_back_hidden",
      "KV blocks copied back from the host tier that landed before a step needed them (CUDA)"),
     (CounterMetricFamily, "rag_engine_host_kv_copy_back_waited", "host_kv_copy_back_waited",

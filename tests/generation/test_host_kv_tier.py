@@ -44,7 +44,7 @@ def key(n: int, namespace: str = "ns") -> tuple[bytes, str, None, tuple[int, ...
 
 def test_the_host_index_finds_only_the_exact_key_and_copies_once():
     copier = RecordingCopier()
-    host = HostKVTier(4, copier)
+    host = HostKVTier(4, copier, admit_uses=0)
     h, ns, parent, tokens = key(1)
     host.save(7, h, ns, parent, tokens, uses=0)
     host.save(9, h, ns, parent, tokens, uses=2)  # evicted again after a restore: already here
@@ -60,7 +60,7 @@ def test_the_host_index_finds_only_the_exact_key_and_copies_once():
 
 
 def test_host_eviction_keeps_frequent_blocks_and_ages_old_ones():
-    host = HostKVTier(2, RecordingCopier())
+    host = HostKVTier(2, RecordingCopier(), admit_uses=0)
     popular, one_off, newer = key(1), key(10), key(20)
     host.save(0, *popular, uses=5)
     host.save(1, *one_off, uses=0)
@@ -82,6 +82,9 @@ def test_host_eviction_keeps_frequent_blocks_and_ages_old_ones():
 
 
 def make_llm(path, **engine_args) -> LLM:
+    # These tests move prompts seen once through the tier: admit every block unless a test says
+    # otherwise (admission by uses has tests of its own).
+    engine_args.setdefault("host_kv_admit_uses", 0)
     return LLM(path, device="cpu", dtype=torch.float32, block_size=BS, max_model_len=40, **engine_args)
 
 
@@ -283,7 +286,7 @@ def test_a_restore_never_reads_a_slot_that_its_own_block_take_reused():
     # A one-slot host tier: taking a GPU block for the restore evicts a GPU block to the host,
     # which takes the only slot, the one being restored. The restore must see that and stop.
     copier = RecordingCopier()
-    bm = BlockManager(2, BS, host_tier=HostKVTier(1, copier))
+    bm = BlockManager(2, BS, host_tier=HostKVTier(1, copier, admit_uses=0))
     a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
     computed_and_released(bm, a)
     computed_and_released(bm, b)  # evicts a's block to the host (slot 0)
@@ -337,7 +340,7 @@ def test_a_round_trip_on_cuda_through_pinned_memory_restores_identical_kv(tiny):
     # land before the step reads it.
     def cuda_llm(num_kv_blocks: int, **args) -> LLM:
         return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
-                   num_kv_blocks=num_kv_blocks, **args)  # fmt: skip
+                   num_kv_blocks=num_kv_blocks, host_kv_admit_uses=0, **args)  # fmt: skip
 
     roomy, tight = cuda_llm(64), cuda_llm(12, host_kv_blocks=16)
     assert tight.engine.model_runner.host_kv.blocks.is_pinned()
@@ -433,7 +436,7 @@ def test_random_traffic_on_cuda_through_a_tight_pool_generates_what_a_roomy_one_
 
     def cuda_llm(num_kv_blocks: int, **args) -> LLM:
         return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
-                   num_kv_blocks=num_kv_blocks, **args)  # fmt: skip
+                   num_kv_blocks=num_kv_blocks, host_kv_admit_uses=0, **args)  # fmt: skip
 
     roomy, tight = cuda_llm(128), cuda_llm(14, host_kv_blocks=24)
     assert tight.engine.model_runner.host_kv.num_staging_blocks == 3
@@ -450,7 +453,7 @@ def test_each_restore_ends_its_own_copy_group():
     # issued since the last step: each restore (one chain) closes its own group, and a restore
     # that copied nothing closes none.
     copier = RecordingCopier()
-    bm = BlockManager(4, BS, host_tier=HostKVTier(8, copier))
+    bm = BlockManager(4, BS, host_tier=HostKVTier(8, copier, admit_uses=0))
     a, b, c = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]
     for tokens in (a, b, c, [16, 17, 18, 19, 20], [21, 22, 23, 24, 25]):
         computed_and_released(bm, tokens)  # a 4-block pool: a and b go to the host
@@ -524,7 +527,7 @@ def test_requests_queued_behind_others_on_cuda_generate_what_a_roomy_pool_does(t
     # evicts, and every copy back is accounted for as hidden or waited.
     def cuda_llm(num_kv_blocks: int, **args) -> LLM:
         return LLM(tiny, device="cuda", dtype=torch.float32, block_size=BS, max_model_len=40,
-                   num_kv_blocks=num_kv_blocks, max_num_seqs=1, **args)  # fmt: skip
+                   num_kv_blocks=num_kv_blocks, max_num_seqs=1, host_kv_admit_uses=0, **args)  # fmt: skip
 
     roomy, tight = cuda_llm(128), cuda_llm(14, host_kv_blocks=24)
     params = SamplingParams(max_tokens=4, ignore_eos=True)

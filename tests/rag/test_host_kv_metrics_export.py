@@ -27,10 +27,12 @@ def test_host_tier_counters_reach_the_metrics_scrape(tmp_path):
               host_kv_blocks=16)  # fmt: skip
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     prompt = list(range(10, 27))
-    for ids in [prompt, *(list(range(30 + 20 * k, 47 + 20 * k)) for k in range(3)), prompt]:
-        llm.generate([ids], one, "ns")  # the fillers push the prompt's blocks to the host; it comes back
+    # The prompt's second run hits its blocks (a use: admitted to the host tier); the fillers,
+    # each seen once, are not admitted, push the prompt's blocks to the host, and it comes back.
+    for ids in [prompt, prompt, *(list(range(30 + 20 * k, 47 + 20 * k)) for k in range(3)), prompt]:
+        llm.generate([ids], one, "ns")
     m = llm.metrics()
-    assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 0
+    assert m.host_kv_hits > 0 and m.host_kv_swapped_out > 0 and m.host_kv_not_admitted > 0
     app = FastAPI()
     # The collector reads the loaded generator from the service's __dict__: a namespace holds it.
     app.state.rag = SimpleNamespace(admission=AdmissionControl(1, 1), generator=llm)
@@ -38,4 +40,5 @@ def test_host_tier_counters_reach_the_metrics_scrape(tmp_path):
     assert got["rag_engine_host_kv_hits_total"] == m.host_kv_hits
     assert got["rag_engine_host_kv_swapped_out_total"] == m.host_kv_swapped_out
     assert got["rag_engine_host_kv_swapped_in_total"] == m.host_kv_swapped_in
+    assert got["rag_engine_host_kv_not_admitted_total"] == m.host_kv_not_admitted
     assert got["rag_engine_host_kv_blocks_used"] == m.host_kv_blocks_used > 0
