@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -317,3 +318,42 @@ def copy_tokenizer(src: Path, dst: Path, max_length: int) -> None:
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     cfg["model_max_length"] = max_length
     cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def publish_converted(onnx_path: Path, out_dir: Path, state: dict[str, Any], config: Any, marker_file: str,
+                      version: int, extra_files: dict[str, str] | None = None) -> Path:  # fmt: skip
+    """Write a converted model folder (weights, config, tokenizer, marker, extra files) and publish it.
+
+    Built under a temporary name and renamed into place, so a crash or a concurrent converter
+    never leaves half a model; a concurrent converter's complete folder wins.
+
+    Args:
+        onnx_path: the ONNX source (its tokenizer files beside it).
+        out_dir: the folder to create or replace.
+        state: the fp32 state dict to save as model.safetensors.
+        config: the transformers config to save.
+        marker_file, version: the converter's marker (what `is_converted` checks later).
+        extra_files: more files by relative path (one folder deep at most) and their text.
+    """
+    from safetensors.torch import save_file
+
+    from rag.atomic import publish_dir
+    from rag.private_files import private_mkdir
+    from rag.quiet import quiet_libraries
+
+    out_dir = Path(out_dir)
+    private_mkdir(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with quiet_libraries():  # transformers logs every save at INFO
+            config.save_pretrained(tmp)
+        copy_tokenizer(onnx_path.parent, tmp, config.max_position_embeddings)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).parent.mkdir(exist_ok=True)
+            (tmp / name).write_text(text)
+        (tmp / marker_file).write_text(json.dumps(conversion_marker(onnx_path, version), indent=2))
+        publish_dir(tmp, out_dir, lambda d: is_converted(d, onnx_path, marker_file, version))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from rag.atomic import publish_dir
 from rag.errors import ModelError
-from rag.private_files import private_mkdir
-from rag.quiet import quiet_libraries
 from retrieval.onnx_bert import (
     OnnxGraph,
     bert_config,
     bert_weights,
     checked_state,
-    conversion_marker,
-    copy_tokenizer,
     is_converted,
+    publish_converted,
 )
 
 DEFAULT_RERANKER_NAME = "ms-marco-MiniLM-L-12-v2"
@@ -75,7 +68,6 @@ def convert_onnx_reranker(onnx_path: Path, out_dir: Path) -> Path:
     Raises:
         ModelError: the file is missing, unreadable, or not a BERT sequence classifier.
     """
-    from safetensors.torch import save_file
     from transformers import BertForSequenceClassification
 
     onnx_path = Path(onnx_path)
@@ -87,20 +79,7 @@ def convert_onnx_reranker(onnx_path: Path, out_dir: Path) -> Path:
     config = bert_config(graph, weights, "bert.", num_labels=num_labels,
                          architectures=["BertForSequenceClassification"])  # fmt: skip
     state = checked_state(BertForSequenceClassification, config, weights, onnx_path)
-
-    out_dir = Path(out_dir)
-    private_mkdir(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        with quiet_libraries():  # transformers logs every save at INFO
-            config.save_pretrained(tmp)
-        copy_tokenizer(onnx_path.parent, tmp, config.max_position_embeddings)
-        (tmp / MARKER_FILE).write_text(json.dumps(conversion_marker(onnx_path, CONVERTER_VERSION), indent=2))
-        publish_dir(tmp, out_dir, lambda d: _is_converted(d, onnx_path))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return publish_converted(onnx_path, Path(out_dir), state, config, MARKER_FILE, CONVERTER_VERSION)
 
 
 def _is_converted(out_dir: Path, onnx_path: Path) -> bool:

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from rag.atomic import publish_dir
 from rag.errors import ModelError
-from rag.private_files import private_mkdir
-from rag.quiet import quiet_libraries
 
 BGE_NAME = "bge-small-en"
 # BGE v1's instruction for short queries against passages (its model card, "for retrieval").
@@ -77,7 +72,6 @@ def convert_onnx_encoder(onnx_path: Path, out_dir: Path, pooling: str = "cls",
     Raises:
         ModelError: the file is missing, unreadable, or not a BERT encoder.
     """
-    from safetensors.torch import save_file
     from transformers import BertModel
 
     from retrieval.onnx_bert import (
@@ -85,8 +79,7 @@ def convert_onnx_encoder(onnx_path: Path, out_dir: Path, pooling: str = "cls",
         bert_config,
         bert_weights,
         checked_state,
-        conversion_marker,
-        copy_tokenizer,
+        publish_converted,
     )
 
     onnx_path = Path(onnx_path)
@@ -97,29 +90,19 @@ def convert_onnx_encoder(onnx_path: Path, out_dir: Path, pooling: str = "cls",
     config = bert_config(graph, weights, "", architectures=["BertModel"])
     # No pooler: sentence vectors come from the hidden states (1_Pooling), never from it.
     state = checked_state(BertModel, config, weights, onnx_path, add_pooling_layer=False)
-    out_dir = Path(out_dir)
-    private_mkdir(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        with quiet_libraries():
-            config.save_pretrained(tmp)
-        copy_tokenizer(onnx_path.parent, tmp, config.max_position_embeddings)
-        (tmp / "1_Pooling").mkdir()
-        (tmp / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"word_embedding_dimension": config.hidden_size, "pooling_mode": pooling}, indent=2))  # fmt: skip
-        (tmp / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-        ], indent=2))  # fmt: skip
-        (tmp / "config_sentence_transformers.json").write_text(json.dumps(
-            {"prompts": {"query": query_prompt, "document": ""}, "default_prompt_name": None}, indent=2))  # fmt: skip
-        (tmp / MARKER_FILE).write_text(json.dumps(conversion_marker(onnx_path, CONVERTER_VERSION), indent=2))
-        publish_dir(tmp, out_dir, lambda d: _is_converted(d, onnx_path))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    extra_files = {
+        "1_Pooling/config.json": json.dumps(
+            {"word_embedding_dimension": config.hidden_size, "pooling_mode": pooling}, indent=2),
+        "modules.json": json.dumps(modules, indent=2),
+        "config_sentence_transformers.json": json.dumps(
+            {"prompts": {"query": query_prompt, "document": ""}, "default_prompt_name": None}, indent=2),
+    }  # fmt: skip
+    return publish_converted(onnx_path, Path(out_dir), state, config, MARKER_FILE, CONVERTER_VERSION, extra_files)
 
 
 def _is_converted(out_dir: Path, onnx_path: Path) -> bool:

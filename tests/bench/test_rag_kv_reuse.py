@@ -51,5 +51,6 @@ def test_the_dry_run_prints_the_table_and_the_goals(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| chunks-inplace | 1.2x")]
-    assert len(rows) == 1 and rows[0].count("|") == 15  # 14 columns, queue growth among them
+    assert len(rows) == 1 and rows[0].count("|") == 16  # 15 columns, queue growth and host copies out among them
+    assert rows[0].split("|")[11].strip() == "-"  # host copies out: no host tier in this mode
     assert "lower than no-cache (goal >= 5x)" in out.stdout
