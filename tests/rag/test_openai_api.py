@@ -126,32 +126,38 @@ def test_follow_up_question_is_retrieved_with_the_conversation(service):
 
 
 def test_concurrent_streams_run_in_one_engine_batch(service):
-    service.wait_idle()
     client = service.client("bob")
-    first_tokens: list[float] = []
-    finished: list[float] = []
 
-    def run(question: str) -> None:
-        stream = _ask(client, question, stream=True, max_tokens=48)
-        got = False
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and not got:
-                first_tokens.append(time.monotonic())
-                got = True
-        finished.append(time.monotonic())
+    def overlapped() -> bool:
+        """Two streams at once: did both make tokens before either finished, in one engine batch?"""
+        service.wait_idle()
+        first_tokens: list[float] = []
+        finished: list[float] = []
 
-    threads = [threading.Thread(target=run, args=(q,)) for q in
-               (RESERVATION_Q, "Which GPU nodes can I use?")]
-    for t in threads:
-        t.start()
-    running = 0
-    while any(t.is_alive() for t in threads):
-        running = max(running, service.metrics()["engine"]["num_running"])
-        time.sleep(0.05)
-    assert len(first_tokens) == 2
-    # Both were producing tokens before either finished, and the engine ran them in one batch.
-    assert max(first_tokens) < min(finished)
-    assert service.metrics()["engine"]["max_num_running"] >= 2 and running == 2
+        def run(question: str) -> None:
+            stream = _ask(client, question, stream=True, max_tokens=48)
+            got = False
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content and not got:
+                    first_tokens.append(time.monotonic())
+                    got = True
+            finished.append(time.monotonic())
+
+        threads = [threading.Thread(target=run, args=(q,)) for q in
+                   (RESERVATION_Q, "Which GPU nodes can I use?")]
+        for t in threads:
+            t.start()
+        running = 0
+        while any(t.is_alive() for t in threads):
+            running = max(running, service.metrics()["engine"]["num_running"])
+            time.sleep(0.02)
+        assert len(first_tokens) == 2
+        return max(first_tokens) < min(finished) and running == 2
+
+    # Retrieval can stagger two requests so far that one answer ends before the other starts
+    # (seen on a loaded 2-core machine); a service that serialized generations would never overlap.
+    assert any(overlapped() for _ in range(3))
+    assert service.metrics()["engine"]["max_num_running"] >= 2
 
 
 def test_sources_kv_is_shared_across_users_and_the_question_is_not(service):
@@ -186,14 +192,27 @@ def test_burst_past_the_queue_gets_429_with_retry_after(service):
         except openai.RateLimitError as e:
             results.append(e)
 
-    threads = [threading.Thread(target=one) for _ in range(10)]
+    # A burst of 8 (2 slots and 2 queue places). Whether the burst alone overflows depends on how
+    # retrieval staggers it, so once both slots and the queue are seen taken, 3 more requests are
+    # sent at once: the check before retrieval must refuse them while the state holds.
+    threads = [threading.Thread(target=one) for _ in range(8)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        a = service.metrics()["admission"]
+        if a["in_flight"] == a["max_in_flight"] and a["queued"] == a["max_queued"]:
+            probes = [threading.Thread(target=one) for _ in range(3)]
+            for t in probes:
+                t.start()
+            threads += probes
+            break
+        time.sleep(0.01)
     for t in threads:
         t.join()
     refused = [r for r in results if isinstance(r, openai.RateLimitError)]
     answered = [r for r in results if not isinstance(r, openai.RateLimitError)]
-    assert refused and answered and len(refused) + len(answered) == 10
+    assert refused and answered and len(refused) + len(answered) == len(threads)
     assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
     assert refused[0].body["type"] == "rate_limit_error"
     service.wait_idle()
