@@ -504,7 +504,8 @@ def engine_config(mode: str, device: str, dry: bool, gpu_blocks: int | None, hos
         device=device, dtype="bfloat16" if device == "cuda" else "float32",
         enable_prefix_caching=base != "no-cache", kv_reuse="chunks" if base.startswith("chunks") else "exact",
         chunk_miss="in_place" if base == "chunks-inplace" else "wait",
-        host_kv_blocks=host_blocks if "+host" in mode else 0, host_kv_admit_uses=0 if "+host-all" in mode else 1,
+        host_kv_blocks=host_blocks if "+host" in mode else 0,
+        host_kv_admit_uses=0 if "+host-all" in mode else EngineConfig.host_kv_admit_uses,  # +host-all: the old tier
         max_model_len=512 if dry else 8192, num_kv_blocks=gpu_blocks or (2048 if dry else None),
     )  # fmt: skip
 
