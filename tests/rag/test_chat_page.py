@@ -237,7 +237,8 @@ def test_errors_are_shown_in_words(run, service):
     page = run()
     page.enter_key("rag_not-a-real-key")
     expect(page.page.locator("#key-state")).to_have_text("key not accepted")
-    assert "401" in page.page.inner_text("#error") and "key was refused" in page.page.inner_text("#error")
+    expect(page.page.locator("#error")).to_contain_text("401")
+    assert "key was refused" in page.page.inner_text("#error")
     assert page.page.is_disabled("#ask")
 
     # A collection the key cannot read (offered by hand: the picker never lists it): the server's 404.

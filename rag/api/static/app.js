@@ -73,9 +73,11 @@ async function loadCollections() {
     return;
   }
   if (!resp.ok) {
+    // Read the reason first, so the key state and the reason appear together.
+    const reason = await describeFailure(resp, "the collection list");
     setKeyState("key not accepted");
     ui.collection.append(new Option("no collections", ""));
-    showError(ui.error, await describeFailure(resp, "the collection list"));
+    showError(ui.error, reason);
     return;
   }
   const models = ((await resp.json()).data || []).map((m) => String(m.id));
