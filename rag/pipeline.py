@@ -106,7 +106,7 @@ class Rag:
         from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
 
         path = resolve_reranker_dir(self.settings.reranker, self.settings.model_cache)
-        return CrossEncoderReranker(path, device=self.settings.device)
+        return CrossEncoderReranker(path, device=self.settings.device, dtype=self.settings.rerank_dtype)
 
     # -- collections ---------------------------------------------------------------------
 

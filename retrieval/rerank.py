@@ -68,22 +68,56 @@ def resolve_reranker_dir(model: str | Path | None, cache_dir: Path) -> Path:
 
 # --- scoring ------------------------------------------------------------------------------
 
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16; Linux).
+
+    Elsewhere bf16 is emulated and slower than fp32, so "auto" keeps fp32 there.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _pick_dtype(name: str, device: str) -> str:
+    """The torch dtype name the reranker runs in, for a requested dtype on a device."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device == "cpu" and cpu_has_native_bf16():
+        return "bfloat16"
+    return "float32"  # MPS, and CPUs without native bf16
+
 
 class CrossEncoderReranker:
     """Scores (query, passage) pairs jointly with a sequence-classification model."""
 
     def __init__(self, model_dir: Path, device: str | None = None, batch_size: int = 32,
-                 max_length: int = 512) -> None:
+                 max_length: int = 512, dtype: str = "auto") -> None:
         """Load a cross-encoder folder.
 
         Args:
             model_dir: a Hugging Face folder (see resolve_reranker_dir).
             device: "cpu", "cuda", "cuda:N", "mps"; None picks CUDA when available.
-            batch_size: pairs per forward pass (1-65536).
+            batch_size: pairs per forward pass (1-65536); pairs are sorted by length first,
+                so batches pad little.
             max_length: tokens per pair; longer pairs are truncated (8-8192).
+            dtype: "auto" (bf16 on a GPU that has it, else fp16; on a CPU bf16 where the cores
+                compute it natively, else fp32), "float32", "bfloat16" or "float16" (GPU only).
 
         Raises:
-            ValueError: batch_size, max_length or device out of range.
+            ValueError: batch_size, max_length, dtype or device out of range.
             ModelError: the folder is missing or does not load.
             ConfigError: CUDA was asked for and is not available.
         """
@@ -92,6 +126,8 @@ class CrossEncoderReranker:
 
         if not 1 <= batch_size <= 65536:
             raise ValueError(f"batch_size must be in 1..65536, got {batch_size}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         if not 8 <= max_length <= 8192:
             raise ValueError(f"max_length must be in 8..8192, got {max_length}")
         if device is not None and not _DEVICE_RE.match(device):
@@ -122,11 +158,14 @@ class CrossEncoderReranker:
                 f"{model_dir} has {model.config.num_labels} labels; a cross-encoder has 1 "
                 "(relevance logit) or 2 (not relevant / relevant)"
             )
-        if device.startswith("cuda"):
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            dtype = torch.float32
-        self.model = model.to(device=device, dtype=dtype).eval()
+        if dtype == "float16" and not device.startswith("cuda"):
+            raise ConfigError(f"reranker dtype float16 needs a CUDA device, not {device!r}")
+        self.dtype = _pick_dtype(dtype, device)
+        # On a CPU the weights stay fp32 and bf16 runs under autocast: its matmuls take the
+        # cores' bf16 instructions while LayerNorm and softmax stay in fp32.
+        self._cpu_autocast = self.dtype == "bfloat16" and device == "cpu"
+        weights = torch.float32 if self._cpu_autocast else getattr(torch, self.dtype)
+        self.model = model.to(device=device, dtype=weights).eval()
         self.device = device
         self.batch_size = batch_size
         self.name = model_dir.name
@@ -165,7 +204,7 @@ class CrossEncoderReranker:
                 return_tensors="pt",
             )
             enc = {k: v.to(self.device) for k, v in enc.items()}
-            with torch.inference_mode():
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._cpu_autocast):
                 logits = self.model(**enc).logits.float()  # (b, num_labels)
             batch = logits[:, 0] if logits.shape[1] == 1 else logits[:, 1] - logits[:, 0]
             for i, s in zip(idx, batch.tolist(), strict=True):

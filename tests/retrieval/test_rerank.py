@@ -11,7 +11,7 @@ import pytest
 
 from rag.errors import ConfigError, ModelError
 from rag.types import Hit
-from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
+from retrieval.rerank import CrossEncoderReranker, cpu_has_native_bf16, resolve_reranker_dir
 from retrieval.reranker_convert import (
     DEFAULT_RERANKER_NAME,
     MARKER_FILE,
@@ -59,7 +59,14 @@ def model_dir(cache_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def reranker(model_dir: Path) -> CrossEncoderReranker:
-    return CrossEncoderReranker(model_dir, device="cpu")
+    # fp32: these tests check the conversion itself; bf16 ("auto" on CPUs with native bf16)
+    # has its own tests below.
+    return CrossEncoderReranker(model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def reranker_bf16(model_dir: Path) -> CrossEncoderReranker:
+    return CrossEncoderReranker(model_dir, device="cpu", dtype="bfloat16")
 
 
 def _hit(i: int, text: str, score: float = 0.5) -> Hit:
@@ -198,3 +205,46 @@ def test_bad_paths_are_model_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelError):
         convert_onnx_reranker(garbage, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_scores_do_not_depend_on_the_batch_size(model_dir: Path, reranker: CrossEncoderReranker) -> None:
+    # Pairs are sorted by length before batching, so each batch size pads differently: the
+    # scores must not move.
+    pairs = PAIRS * 3
+    expected = reranker.score_pairs(pairs)
+    for size in (1, 5, 8):
+        other = CrossEncoderReranker(model_dir, device="cpu", dtype="float32", batch_size=size)
+        np.testing.assert_allclose(other.score_pairs(pairs), expected, atol=1e-4)
+
+
+def test_bf16_scores_stay_close_to_fp32_and_rank_the_same(reranker: CrossEncoderReranker,
+                                                          reranker_bf16: CrossEncoderReranker) -> None:
+    assert reranker_bf16.dtype == "bfloat16"
+    import torch
+
+    assert next(reranker_bf16.model.parameters()).dtype == torch.float32  # autocast: weights stay fp32
+    fp32 = np.array(reranker.score_pairs(PAIRS))
+    bf16 = np.array(reranker_bf16.score_pairs(PAIRS))
+    print(f"\nbf16 vs fp32: max |diff| {np.abs(bf16 - fp32).max():.4f} on a {np.ptp(fp32):.1f}-logit range")
+    assert np.abs(bf16 - fp32).max() < 0.25
+    for group in QUERY_GROUPS:
+        assert list(np.argsort(bf16[group])) == list(np.argsort(fp32[group]))
+    assert [h.chunk_id for h in reranker_bf16.rerank(SLURM, [_hit(1, PAIRS[1][1]), _hit(2, PAIRS[0][1])])] == [2, 1]
+
+
+def test_auto_dtype_takes_bf16_only_where_the_cpu_has_it(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import retrieval.rerank as rerank
+
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(rerank, "cpu_has_native_bf16", lambda native=native: native)
+        assert CrossEncoderReranker(model_dir, device="cpu").dtype == expected
+    assert isinstance(cpu_has_native_bf16(), bool)
+
+
+def test_bad_dtypes_and_batch_sizes_are_refused(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        CrossEncoderReranker(model_dir, device="cpu", dtype="int4")
+    with pytest.raises(ValueError, match="batch_size"):
+        CrossEncoderReranker(model_dir, device="cpu", batch_size=0)
+    with pytest.raises(ConfigError, match="float16 needs a CUDA device"):
+        CrossEncoderReranker(model_dir, device="cpu", dtype="float16")
