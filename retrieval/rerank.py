@@ -74,7 +74,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16; Linux).
 
-    Elsewhere bf16 is emulated and slower than fp32, so "auto" keeps fp32 there.
+    Elsewhere bf16 is emulated and slower than fp32 (bench/rerank_speed.py says which).
     """
     try:
         with open("/proc/cpuinfo") as f:
@@ -87,6 +87,31 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+def _head_in_fp32(model: Any) -> None:
+    """Run a classifier's head outside bf16 autocast.
+
+    A bf16 logit has 8 bits of mantissa (steps of 1/16 near 10): unrelated passages would tie
+    exactly, and ties keep input order, so the same hits in another order would rank
+    differently. From bf16 features, a head in fp32 gives logits with fp32 resolution.
+    """
+    import torch
+
+    class Fp32Head(torch.nn.Module):
+        def __init__(self, head: torch.nn.Module) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, features: Any, *args: Any, **kwargs: Any) -> Any:
+            with torch.autocast("cpu", enabled=False):
+                return self.head(features.float(), *args, **kwargs)
+
+    for name in ("classifier", "score"):  # BERT-style and decoder-style classification heads
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            setattr(model, name, Fp32Head(head))
+            return
+
+
 def _pick_dtype(name: str, device: str) -> str:
     """The torch dtype name the reranker runs in, for a requested dtype on a device."""
     if name != "auto":
@@ -95,9 +120,9 @@ def _pick_dtype(name: str, device: str) -> str:
         import torch
 
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if device == "cpu" and cpu_has_native_bf16():
-        return "bfloat16"
-    return "float32"  # MPS, and CPUs without native bf16
+    # CPUs stay exact: bf16 is 2.3x faster where the cores have it, but a pair's bf16 score moves
+    # by a few thousandths with the other pairs (other users' too) that share its batch.
+    return "float32"
 
 
 class CrossEncoderReranker:
@@ -113,8 +138,9 @@ class CrossEncoderReranker:
             batch_size: pairs per forward pass (1-65536); pairs are sorted by length first,
                 so batches pad little.
             max_length: tokens per pair; longer pairs are truncated (8-8192).
-            dtype: "auto" (bf16 on a GPU that has it, else fp16; on a CPU bf16 where the cores
-                compute it natively, else fp32), "float32", "bfloat16" or "float16" (GPU only).
+            dtype: "auto" (bf16 on a GPU that has it, else fp16; fp32 on a CPU), "float32",
+                "bfloat16" (on a CPU: autocast, best where cpu_has_native_bf16()) or "float16"
+                (GPU only).
 
         Raises:
             ValueError: batch_size, max_length, dtype or device out of range.
@@ -165,6 +191,8 @@ class CrossEncoderReranker:
         # cores' bf16 instructions while LayerNorm and softmax stay in fp32.
         self._cpu_autocast = self.dtype == "bfloat16" and device == "cpu"
         weights = torch.float32 if self._cpu_autocast else getattr(torch, self.dtype)
+        if self._cpu_autocast:
+            _head_in_fp32(model)
         self.model = model.to(device=device, dtype=weights).eval()
         self.device = device
         self.batch_size = batch_size
@@ -189,8 +217,10 @@ class CrossEncoderReranker:
         import torch
 
         scores = [0.0] * len(pairs)
-        # Longest first so similar lengths share a batch and little padding is computed.
-        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]), reverse=True)
+        # Longest first so similar lengths share a batch and little padding is computed; ties by
+        # the texts, so the same pairs form the same batches in any input order (bf16 scores move
+        # by a few hundredths with the batch a pair shares, fp32 by ~1e-6).
+        order = sorted(range(len(pairs)), key=lambda i: (-(len(pairs[i][0]) + len(pairs[i][1])), pairs[i]))
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             enc = self.tokenizer(
