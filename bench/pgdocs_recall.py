@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -38,8 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "examples" / "eval" / "postgresql"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(EVAL_DIR))
+sys.path.insert(0, str(REPO / "bench"))
 
 from build_corpus import MANUAL, build_corpus, page_folders  # noqa: E402
+from machine import describe_machine  # noqa: E402
 
 from permissions.models import Principal  # noqa: E402
 from permissions.sources import AclResolver  # noqa: E402
@@ -97,24 +97,6 @@ def page_acls(corpus: Path) -> dict[str, frozenset[str]]:
     """Each page's ACL, resolved from the sidecars the way ingest resolves it."""
     resolver = AclResolver(corpus)
     return {str(p.relative_to(corpus)): resolver.resolve(p)[0] for p in sorted(corpus.rglob("*.html"))}
-
-
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import torch
-
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    except ImportError:
-        gpu = "no torch"
-    return f"{cpu}, {len(os.sched_getaffinity(0))} CPUs usable, {gpu}"
 
 
 def score(rag: Rag, questions: list[Question], corpus: Path, acls: dict[str, frozenset[str]],
@@ -198,7 +180,7 @@ def main() -> None:
     stats = rag.retriever(rerank=False).store.stats()
     answerable = sum(1 for q in questions if any(q.principal.can_read(acls.get(s, frozenset())) for s in q.sources))
 
-    print(f"# PostgreSQL 15 manual, recall@{args.k} by source page, {datetime.date.today()}, {hardware()}")
+    print(f"# PostgreSQL 15 manual, recall@{args.k} by source page, {datetime.date.today()}, {describe_machine()}")
     print(f"corpus: {len(placed)} pages, {stats.get('documents')} documents, {stats.get('chunks')} chunks; "
           f"ingest {ingest_s:.0f} s ({report.added} added, {report.updated} updated, {report.unchanged} unchanged); "
           f"embedder {rag.embedder.name}, reranker {rag.settings.reranker or 'packaged default'}, "

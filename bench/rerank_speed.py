@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,6 +32,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from machine import describe_machine  # noqa: E402
 
 from permissions.models import Principal  # noqa: E402
 from rag.pipeline import Rag  # noqa: E402
@@ -42,21 +43,6 @@ from retrieval.evaluate import load_questions  # noqa: E402
 from retrieval.rerank import CrossEncoderReranker, packaged_reranker_onnx, resolve_reranker_dir  # noqa: E402
 
 Scorer = Callable[[str, list[str]], list[float]]
-
-
-def hardware(device: str) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else "no GPU used"
-    return f"{cpu}, {len(os.sched_getaffinity(0))} CPUs usable, torch threads {torch.get_num_threads()}, {gpu}"
 
 
 def time_scorer(score: Scorer, queries: list[tuple[str, list[str]]], repeats: int) -> tuple[float, list[np.ndarray]]:
@@ -134,7 +120,8 @@ def main() -> None:
                      onnx_scorer(reference.tokenizer, torch.get_num_threads())))
 
     fp32_scores = [np.asarray(reference.score(q, ps)) for q, ps in queries]
-    print(f"# reranker time per query, {datetime.date.today()}, {hardware(args.device)}")
+    machine = describe_machine(args.device.startswith("cuda"))
+    print(f"# reranker time per query, {datetime.date.today()}, {machine}")
     print(f"{len(queries)} queries x {args.candidates} candidates from the sample corpus; pair tokens mean "
           f"{np.mean(lengths):.0f}, max {max(lengths)}; best of {args.repeats} passes")
     print()
