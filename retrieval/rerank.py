@@ -71,22 +71,6 @@ def resolve_reranker_dir(model: str | Path | None, cache_dir: Path) -> Path:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16; Linux).
-
-    Elsewhere bf16 is emulated and slower than fp32 (bench/rerank_speed.py says which).
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
 def _head_in_fp32(model: Any) -> None:
     """Run a classifier's head outside bf16 autocast.
 
@@ -139,7 +123,7 @@ class CrossEncoderReranker:
                 so batches pad little.
             max_length: tokens per pair; longer pairs are truncated (8-8192).
             dtype: "auto" (bf16 on a GPU that has it, else fp16; fp32 on a CPU), "float32",
-                "bfloat16" (on a CPU: autocast, best where cpu_has_native_bf16()) or "float16"
+                "bfloat16" (on a CPU: autocast; it pays where the cores have AVX512-BF16 or AMX) or "float16"
                 (GPU only).
 
         Raises:
