@@ -22,7 +22,7 @@ from ingest.deletion_guard import DeletionGuard
 from ingest.embed.embedder import ingest_batch_chunks
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, shard_of
 from ingest.source_names import SourceNamer
-from ingest.sources import is_under_any, scan_roots
+from ingest.sources import has_sources, is_under_any, scan_roots
 from rag.errors import ConfigError
 from rag.private_files import private_mkdir
 from rag.settings import check_collection_name
@@ -109,6 +109,8 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
     Raises:
         ConfigError: a path does not exist or the shard is out of range.
         StoreError: pgvector, and the collection was built with another embedder or chunking.
+        MassDeleteError: a root yields no sources while the collection holds documents under it,
+            even if none of them hash to this shard (nothing is changed then).
     """
     check_shard(shard, num_shards)
     settings = rag.settings
@@ -124,6 +126,12 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
     spec = rag.build_spec()
     record = ShardRecord(name, shard, num_shards, [str(r) for r in roots], spec.embedder, spec.fingerprint,
                          spec.dim, spec.chunking, run_id=uuid.uuid4().hex)
+    guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
+    # The empty-root check looks at the whole collection, before anything is written: this
+    # shard's store holds only the documents that hash here, which may be none of a root's.
+    collection = _seed_source(rag.catalog, name, spec) or rag.catalog.find_collection(name)
+    if collection is not None:
+        guard.check_roots(roots, rag.catalog.document_states(collection.name), has_sources)
     directory = shard_dir(settings.home, name, shard, num_shards)
     catalog, store = _open_shard_store(directory, record)
     try:
@@ -147,7 +155,6 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
         chunking = ChunkingConfig.from_dict(spec.chunking)
         chunker = Chunker(embedder.tokenizer, chunking)
-        guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
         report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
                                 batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,

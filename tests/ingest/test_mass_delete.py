@@ -176,9 +176,35 @@ def test_embedded_shard_with_an_empty_root_never_merges(tmp_path, rag_factory) -
     for shard in range(2):
         with pytest.raises(MassDeleteError):
             ingest_shard(rag, [tmp_path / "lab"], None, shard, 2)
-    with pytest.raises(NotFoundError, match="did not finish|missing"):
+    # Refused before a shard directory was written: there is nothing to merge.
+    with pytest.raises(NotFoundError, match="no shards"):
         merge_shards(rag)
     assert rag.collection().stats()["documents"] == 6
+
+
+def test_an_embedded_shard_that_holds_none_of_a_root_still_refuses_it(tmp_path, rag_factory) -> None:  # noqa: F811
+    """The shard's own store may hold nothing from the root (every document hashed elsewhere):
+    the empty-root check is of the whole collection, so that shard refuses too (CI once drew
+    such a layout of the random temp path and the shard ran "successfully" over an empty root)."""
+    rag = rag_factory(tmp_path / "home", rerank=False)
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    (lab / ".rag-acl.toml").write_text('allow = ["group:lab"]\n')
+    files, i = [], 0
+    while len(files) < 3:  # documents that all hash to shard 1 of 2
+        f = lab / f"note{i}.md"
+        if shard_of(str(f.resolve()), 2) == 1:
+            f.write_text(f"# Note {i}\n\nFreezer {i} holds rack {i * 7}.\n")
+            files.append(f)
+        i += 1
+    assert rag.ingest([lab]).ok
+    assert set(rag.collection().document_states()) == {str(f.resolve()) for f in files}
+    for f in files:
+        f.unlink()
+    with pytest.raises(MassDeleteError):
+        ingest_shard(rag, [lab], None, 0, 2)
+    assert rag.collection().stats()["documents"] == 3
+    rag.close()
 
 
 def _notes_with_a_line_that_another_shard_reads(path: Path, n: int, num_shards: int) -> tuple[str, list[dict]]:
