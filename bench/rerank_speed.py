@@ -8,8 +8,9 @@ those (question, chunk) pairs — the reranker's whole job in a query — in sev
 
 - sentence-transformers' CrossEncoder on the same converted folder (the peer: what a pipeline
   built on it gets; its default batch of 32, fp32);
-- ours in fp32 (before this change) and in the default dtype ("auto": bf16 where the CPU or GPU
-  computes it natively), both in batches of 32 length-sorted pairs;
+- ours in fp32 and in bf16 in batches of 32 length-sorted pairs (the CPU default before), in fp32
+  one pair per pass, and the default ("auto": bf16 where the CPU or GPU computes it natively, fp32
+  elsewhere; one pair per pass on a CPU, so a pair's score depends on nothing scored beside it);
 - onnxruntime on the packaged INT8 ONNX the folder was converted from (another peer).
 
 Each row prints milliseconds per query, its speed-up over the peer, and how far its scores are
@@ -112,9 +113,14 @@ def main() -> None:
     peer = CrossEncoder(str(folder), device=args.device, max_length=512, activation_fn=torch.nn.Identity())
     rows.append(("sentence-transformers CrossEncoder (peer, batch 32, fp32)",
                  lambda q, ps: peer.predict([(q, p) for p in ps], show_progress_bar=False).tolist()))
-    for label, kwargs in (("ours, fp32 (before)", {"dtype": "float32"}), ("ours, default dtype", {})):
+    for label, kwargs in (("ours, fp32, batch 32 (before)", {"dtype": "float32", "batch_size": 32}),
+                          ("ours, fp32, batch 1", {"dtype": "float32", "batch_size": 1}),
+                          ("ours, bf16, batch 32", {"dtype": "bfloat16", "batch_size": 32}),
+                          ("ours, default", {})):
         model = CrossEncoderReranker(folder, device=args.device, **kwargs)
-        rows.append((label.replace("default dtype", f"{model.dtype} (auto)"), model.score))
+        if label == "ours, default":
+            label += f" ({model.dtype}, batch {model.batch_size})"
+        rows.append((label, model.score))
     if args.device == "cpu":
         rows.append(("onnxruntime, packaged INT8 ONNX, batch 8",
                      onnx_scorer(reference.tokenizer, torch.get_num_threads())))

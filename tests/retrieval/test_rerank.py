@@ -11,6 +11,7 @@ import pytest
 
 from rag.errors import ConfigError, ModelError
 from rag.types import Hit
+import retrieval.rerank as rerank_module
 from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
 from retrieval.reranker_convert import (
     DEFAULT_RERANKER_NAME,
@@ -59,8 +60,8 @@ def model_dir(cache_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def reranker(model_dir: Path) -> CrossEncoderReranker:
-    # fp32 (what "auto" gives on a CPU): these tests check the conversion itself; bf16 has its
-    # own tests below.
+    # fp32 (what "auto" gives on a CPU without native bf16): these tests check the conversion
+    # itself; bf16 has its own tests below.
     return CrossEncoderReranker(model_dir, device="cpu", dtype="float32")
 
 
@@ -232,9 +233,26 @@ def test_bf16_scores_stay_close_to_fp32_and_rank_the_same(reranker: CrossEncoder
     assert [h.chunk_id for h in reranker_bf16.rerank(SLURM, [_hit(1, PAIRS[1][1]), _hit(2, PAIRS[0][1])])] == [2, 1]
 
 
-def test_auto_dtype_is_exact_fp32_on_a_cpu(model_dir: Path) -> None:
-    # bf16 on a CPU is opt-in: its scores depend a little on the batch a pair shares.
-    assert CrossEncoderReranker(model_dir, device="cpu").dtype == "float32"
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_it_is_native(model_dir: Path, monkeypatch, native: bool) -> None:
+    # Emulated bf16 is slower than fp32 (bench/rerank_speed.py), so auto takes it only where the
+    # cores compute it; one pair per pass on a CPU either way.
+    monkeypatch.setattr(rerank_module, "cpu_has_native_bf16", lambda: native)
+    reranker = CrossEncoderReranker(model_dir, device="cpu")
+    assert reranker.dtype == ("bfloat16" if native else "float32")
+    assert reranker.batch_size == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_cpu_a_pairs_score_depends_on_nothing_scored_beside_it(model_dir: Path, dtype: str) -> None:
+    # The service scores concurrent users' pairs in one call: on a CPU (one pair per pass) a
+    # pair's score must be bit for bit the same alone, beside any others and in any order, so
+    # nothing about another user's texts (not even their lengths) reaches it.
+    reranker = CrossEncoderReranker(model_dir, device="cpu", dtype=dtype)
+    alone = [reranker.score_pairs([pair])[0] for pair in PAIRS]
+    others = [("a long question " * 20, "an unrelated passage about the weather " * 40), *PAIRS[::-1]]
+    together = reranker.score_pairs(others)[1:][::-1]
+    assert together == alone
 
 
 def test_bf16_logits_do_not_tie_on_the_bf16_grid(reranker_bf16: CrossEncoderReranker) -> None:
