@@ -11,6 +11,11 @@ LITELLM_VERSION=1.108.7
 VENV=.venv-litellm
 PYTHON=${PYTHON:-python3}
 
+# One install at a time: scripts/test.sh starts this in the background while the main setup
+# runs, and the LiteLLM test calls it again; the second caller waits here, then finds it done.
+exec 9>"$VENV.lock"
+flock 9
+
 works() {
   [ -x "$VENV/bin/litellm" ] \
     && LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/litellm" --version 2>/dev/null \

@@ -4,6 +4,12 @@
 # `bash scripts/test.sh -m 'not gpu and not slow'` is the quick edit-test loop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A full run (no arguments, as CI) also needs LiteLLM's own virtualenv (~700 MB of downloads):
+# installed beside the main setup and the first tests instead of inside the LiteLLM test's
+# fixture, which waits for it (scripts/setup_litellm.sh takes a lock) and reports any failure.
+if [ $# -eq 0 ]; then
+  bash scripts/setup_litellm.sh >"${TMPDIR:-/tmp}/rag-setup-litellm.$$.log" 2>&1 &
+fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest -q -m "not gpu" --durations=15 "$@"

@@ -35,7 +35,9 @@ from retrieval.stores.embedded.catalog import Catalog
 pytestmark = pytest.mark.slow  # seven `rag ingest` processes, each loading torch: minutes
 
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
-BATCH_CHUNKS = 256  # IngestPipeline's default: chunks per embed call, committed after each
+# Chunks per embed call, committed after each (the CPU default is 256): smaller here, so the
+# big-document test embeds two batches of a shorter document, and each of its runs is quicker.
+BATCH_CHUNKS = 64
 WORDS = ("centrifuge freezer buffer reagent microscope booking cluster node queue backup quota "
          "sample plate incubator sequencer pipette").split()
 QUERIES = ["Where is the freezer?", "microscope booking", "cluster queue quota", "record about plates"]
@@ -222,14 +224,15 @@ def _big_document(rng: random.Random, parts: int) -> str:
         f"## Part {i}\n\n" + " ".join(_sentence(rng, i) for _ in range(12)) + "\n\n" for i in range(parts))
 
 
-def test_killed_late_in_a_batch_of_a_big_document_redoes_at_most_that_batch(tmp_path: Path) -> None:
+def test_killed_late_in_a_batch_of_a_big_document_redoes_at_most_that_batch(tmp_path: Path, monkeypatch) -> None:
     """A kill after a batch was embedded but before it was committed: the restart embeds that batch
     again and nothing else, counted by the chunks each run says it embedded, not by time."""
+    monkeypatch.setenv("RAG_INGEST_BATCH_CHUNKS", str(BATCH_CHUNKS))  # this process and the `rag` ones
     rng = random.Random(99)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text(_sentence(rng, 1) + "\n")
-    (corpus / "handbook.md").write_text(_big_document(rng, 150))
+    (corpus / "handbook.md").write_text(_big_document(rng, 45))
     reference = Rag(load_settings(home=tmp_path / "reference", rerank=False))
     total = reference.ingest([corpus]).chunks_written
     assert total > BATCH_CHUNKS + 10  # two batches
