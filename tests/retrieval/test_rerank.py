@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import retrieval.rerank as rerank_module
 from rag.errors import ConfigError, ModelError
 from rag.types import Hit
-import retrieval.rerank as rerank_module
 from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
 from retrieval.reranker_convert import (
     DEFAULT_RERANKER_NAME,
