@@ -136,9 +136,10 @@ class CrossEncoderReranker:
             batch_size: pairs per forward pass (1-65536); pairs are sorted by length first,
                 so batches pad little. None: 1 on a CPU, 32 on a GPU. Alone, a pair's score
                 depends on its own tokens only, never on the pairs (other users' too) scored
-                beside it, and nothing is padded: on 2 EPYC cores that is as fast as batches
-                of 32 for retrieval chunks (443 against 454 ms for 20 in bf16) and faster in
-                fp32; a GPU needs the batches.
+                beside it, and nothing is padded. On 2 EPYC cores that is as fast as batches
+                of 32 for 200-token chunks (443 against 454 ms for 20 in bf16) and faster in
+                fp32; for short pairs (~120 tokens) bf16 is 1.5x slower than in batches
+                (docs/benchmarks.md). A GPU needs the batches.
             max_length: tokens per pair; longer pairs are truncated (8-8192).
             dtype: "auto" (bf16 on a GPU that has it, else fp16; on a CPU bf16 where
                 cpu_has_native_bf16(), else fp32), "float32", "bfloat16" (on a CPU: autocast
