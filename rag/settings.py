@@ -83,8 +83,9 @@ class Settings(BaseSettings):
     # over (one process each; None = every visible GPU); padded tokens per forward pass
     # (None = embed_batch_size x 256; ~4x that suits small models like MiniLM on a big GPU).
     embed_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    # auto: bf16 on GPUs (fp16 where they lack it), fp32 on CPUs. "bfloat16" on a CPU with native
-    # bf16 (AVX512-BF16 / AMX) reranks 2.3x faster, scores within 0.05 logits (docs/benchmarks.md).
+    # auto: bf16 on GPUs (fp16 where they lack it) and on CPUs with native bf16 (AVX512-BF16 /
+    # AMX; autocast, fp32 head), fp32 on other CPUs. Scores within 0.05 logits of fp32
+    # (docs/benchmarks.md); on a CPU each pair is scored alone (retrieval.rerank).
     rerank_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     embed_devices: list[str] | None = None
     embed_max_batch_tokens: int | None = Field(default=None, ge=64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -71,6 +72,7 @@ def resolve_reranker_dir(model: str | Path | None, cache_dir: Path) -> Path:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+@functools.cache  # the CPU's flags do not change while we run
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16; Linux).
 

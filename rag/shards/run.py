@@ -126,12 +126,14 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
     spec = rag.build_spec()
     record = ShardRecord(name, shard, num_shards, [str(r) for r in roots], spec.embedder, spec.fingerprint,
                          spec.dim, spec.chunking, run_id=uuid.uuid4().hex)
+    live = rag.catalog.find_collection(name)
+    source = _seed_source(rag.catalog, name, spec)
     guard = DeletionGuard(settings.max_delete_fraction, allow_mass_delete)
     # The empty-root check looks at the whole collection, before anything is written: this
     # shard's store holds only the documents that hash here, which may be none of a root's.
-    collection = _seed_source(rag.catalog, name, spec) or rag.catalog.find_collection(name)
-    if collection is not None:
-        guard.check_roots(roots, rag.catalog.document_states(collection.name), has_sources)
+    whole = source or live
+    if whole is not None:
+        guard.check_roots(roots, rag.catalog.document_states(whole.name), has_sources)
     directory = shard_dir(settings.home, name, shard, num_shards)
     catalog, store = _open_shard_store(directory, record)
     try:
@@ -143,7 +145,6 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
             record.run_id, record.started_at = previous.run_id, previous.started_at
         else:
             write_record(directory, record)  # "syncing": not mergeable until this run completes
-            source = _seed_source(rag.catalog, name, spec)
             if source is not None:
                 seeded = sync_documents(
                     rag.catalog, source.name, store,
@@ -151,7 +152,6 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         record.state = INGESTING
         write_record(directory, record)
         # The guard's fraction is of the whole collection's fair share per shard (this store holds only its part).
-        live = rag.catalog.find_collection(name)
         live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
         chunking = ChunkingConfig.from_dict(spec.chunking)
         chunker = Chunker(embedder.tokenizer, chunking)

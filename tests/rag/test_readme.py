@@ -94,7 +94,7 @@ def test_block_python_api(tmp_path, model_cache, monkeypatch):
     (tmp_path / "my-index" / "models").symlink_to(model_cache, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     # The block's last line reranks every candidate of 64 questions: 10 candidates instead of 20
-    # halve that (~45 s on 2 cores) and change nothing the block shows.
+    # halve that and change nothing the block shows.
     monkeypatch.setenv("RAG_CANDIDATES", "10")
     ns = run_block(python_block("python-api"), {})
     assert ns["answer"].citations and ns["hits"]
