@@ -15,6 +15,16 @@ random bf16 weights. In one run, for each mode:
                     (first block recomputed); labels and question recomputed
     chunks-inplace  kv_reuse="chunks", chunk_miss="in_place": a missed chunk is computed exactly in
                     the request's own prefill, and compiled behind it from its second miss on
+    chunks-inplace-rank   the same with the sources in rank order (no lead chosen)
+    chunks-inplace-again  ... a missed chunk leads only if it missed before, else rank order
+    chunks-inplace-split  ... and label 1 its own segment after the head, as the service's
+                    layout had it before: no source sits where a chunk's canonical KV does
+
+In the chunk modes the head ends with label 1 (as `rag.prompt_layout` lays out the service's
+prompts), so the first source sits exactly where its chunk's canonical KV `head ‖ chunk` does:
+computing it there publishes that KV, and the engine queues no compile for it. The sources are
+ordered as the service orders them (`LLMEngine.chunk_to_lead`): a missed chunk first (one that
+missed before, if any), the rest in rank order.
 
 A mode name ending in "+host" adds the host-memory tier (--host-kv-blocks); with --gpu-kv-blocks
 the GPU pool is made small enough that the popular chunks do not fit in it, which is when the
@@ -77,7 +87,8 @@ from generation.engine.startup_heap import freeze_startup_heap  # noqa: E402
 from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
 
-BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace")
+BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace", "chunks-inplace-rank",
+              "chunks-inplace-split", "chunks-inplace-again")
 SUFFIXES = ("", "+host", "+host-inline", "+host-all", "+full-batches", "+host+full-batches")
 MODES = tuple(m + x for x in SUFFIXES for m in BASE_MODES if not (m == "no-cache" and "+host" in x))
 
@@ -99,7 +110,7 @@ class Sizes:
 
 
 ISSUE = Sizes(10_000, 512, 5, 64, 128, 64, 16)
-DRY = Sizes(120, 32, 3, 8, 4, 16, 8)
+DRY = Sizes(120, 32, 3, 8, 4, 16, 16)  # labels of one block, as in the service's layout
 
 
 @dataclass(frozen=True)
@@ -146,13 +157,19 @@ def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request],
     `history` ran before (the warm-up, earlier loads): it fills the cache but is not counted.
 
     exact-aware is estimated with one canonical (sorted) order: the sharing a cache-aware order
-    can reach at best when every earlier prompt is cached. chunks-inplace computes a chunk in
-    place at its first two sightings and compiles it (once more) at the second.
+    can reach at best when every earlier prompt is cached. In the chunk modes a cached chunk
+    costs its first block (none as the first source, an exact hit there), and a missed one:
+    as the first source, its tokens (it publishes itself; not in -split, whose label 1 comes
+    between); elsewhere "chunks" (wait) compiles it first and reuses it, and "chunks-inplace"
+    computes it in place at its first two misses and compiles it (once more) at the second.
     """
     s = corpus.sizes
     mode = base_mode(mode)
     first_block = min(16, s.chunk_tokens)
+    split = mode == "chunks-inplace-split"
     seen: dict = {}
+    published: set[int] = set()
+    missed_before: set[int] = set()
     total = computed = 0
     for i, req in enumerate([*history, *stream]):
         if i == len(history):
@@ -162,16 +179,35 @@ def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request],
         if mode == "no-cache":
             computed += prompt
             continue
-        fresh = 0 if "head" in seen else s.head_tokens
+        label_in_head = mode.startswith("chunks") and not split
+        fresh = 0 if "head" in seen else s.head_tokens + (s.label_tokens if label_in_head else 0)
         seen["head"] = 1
-        if mode in ("chunks", "chunks-inplace"):
-            for c in req.chunk_ids:
-                n = seen.get(c, 0)
-                seen[c] = n + 1
-                if mode == "chunks":
-                    fresh += s.label_tokens + (s.chunk_tokens if n == 0 else 0) + first_block
-                else:  # in place at sightings 1 and 2, compiled at 2, reused from 3 on
-                    fresh += s.label_tokens + (s.chunk_tokens * (1 if n == 0 else 2) if n < 2 else first_block)
+        if mode.startswith("chunks"):
+            order = list(req.chunk_ids)
+            if mode in ("chunks", "chunks-inplace", "chunks-inplace-again"):
+                missed = [c for c in order if c not in published]
+                again = [c for c in missed if c in missed_before] if mode != "chunks" else []
+                if again or (missed and mode != "chunks-inplace-again"):
+                    lead = (again or missed)[0]
+                    order.remove(lead)
+                    order.insert(0, lead)
+            for k, c in enumerate(order):
+                fresh += s.label_tokens if k or split else 0
+                leads = k == 0 and not split
+                if c in published:
+                    fresh += 0 if leads else first_block
+                elif leads:
+                    fresh += s.chunk_tokens
+                    published.add(c)
+                elif mode == "chunks":
+                    fresh += s.chunk_tokens + first_block
+                    published.add(c)
+                elif c in missed_before:
+                    fresh += 2 * s.chunk_tokens
+                    published.add(c)
+                else:
+                    fresh += s.chunk_tokens
+                    missed_before.add(c)
             computed += fresh + s.question_tokens
             continue
         # Exact prefix: the longest prefix of (head, sources in order) seen before, as a trie path.
@@ -214,18 +250,45 @@ def cache_aware_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[
     return tuple(order)
 
 
-def segments(corpus: Corpus, req: Request) -> list[PromptSegment]:
-    out = [PromptSegment.of("head", corpus.head, "system")]
-    for k, c in enumerate(req.chunk_ids):
-        out.append(PromptSegment.of("label", corpus.labels[k], "user"))
+def segments(corpus: Corpus, order: tuple[int, ...], question: tuple[int, ...],
+             split: bool = False) -> list[PromptSegment]:
+    """The segmented prompt: label 1 ends the head (as the service lays it out), or its own segment (split)."""
+    out = [PromptSegment.of("head", corpus.head if split else corpus.head + corpus.labels[0], "system")]
+    for k, c in enumerate(order):
+        if k or split:
+            out.append(PromptSegment.of("label", corpus.labels[k], "user"))
         out.append(PromptSegment.of("chunk", corpus.chunks[c], "acl:docs"))
-    return [*out, PromptSegment.of("suffix", req.question, "user")]
+    return [*out, PromptSegment.of("suffix", question, "user")]
+
+
+def chunk_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, ...]:
+    """The service's order (rag.source_order): the chunk the engine names to lead with first, the rest by rank."""
+    head = segments(corpus, (), ())[0]
+    lead = engine.chunk_to_lead(head, [PromptSegment.of("chunk", corpus.chunks[c], "acl:docs") for c in req.chunk_ids])
+    if lead is None:
+        return req.chunk_ids
+    return (req.chunk_ids[lead], *req.chunk_ids[:lead], *req.chunk_ids[lead + 1 :])
+
+
+def recurring_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, ...]:
+    """chunks-inplace-again: a missed chunk that missed before leads; otherwise rank order."""
+    head = segments(corpus, (), ())[0]
+    chunks = [PromptSegment.of("chunk", corpus.chunks[c], "acl:docs") for c in req.chunk_ids]
+    for i, chunk in enumerate(chunks):
+        if not engine.chunk_planner.is_cached(head, chunk) and engine._doorkeeper.has_missed(head, chunk):
+            return (req.chunk_ids[i], *req.chunk_ids[:i], *req.chunk_ids[i + 1 :])
+    return req.chunk_ids
 
 
 def submit(engine: LLMEngine, corpus: Corpus, mode: str, req: Request, params: SamplingParams) -> int:
     mode = base_mode(mode)
+    if mode == "chunks-inplace-again":
+        prompt = segments(corpus, recurring_order(engine, corpus, req), req.question)
+        return engine.add_segmented_request(prompt, params, incremental_text=False)
     if mode.startswith("chunks"):
-        return engine.add_segmented_request(segments(corpus, req), params, incremental_text=False)
+        order = chunk_order(engine, corpus, req) if mode in ("chunks", "chunks-inplace") else req.chunk_ids
+        prompt = segments(corpus, order, req.question, split=mode == "chunks-inplace-split")
+        return engine.add_segmented_request(prompt, params, incremental_text=False)
     order = cache_aware_order(engine, corpus, req) if mode == "exact-aware" else req.chunk_ids
     return engine.add_request(flat_prompt(corpus, order, req.question), params, "docs", incremental_text=False)
 
@@ -503,7 +566,7 @@ def engine_config(mode: str, device: str, dry: bool, gpu_blocks: int | None, hos
     return EngineConfig(
         device=device, dtype="bfloat16" if device == "cuda" else "float32",
         enable_prefix_caching=base != "no-cache", kv_reuse="chunks" if base.startswith("chunks") else "exact",
-        chunk_miss="in_place" if base == "chunks-inplace" else "wait",
+        chunk_miss="in_place" if base.startswith("chunks-inplace") else "wait",
         host_kv_blocks=host_blocks if "+host" in mode else 0,
         host_kv_admit_uses=0 if "+host-all" in mode else EngineConfig.host_kv_admit_uses,  # +host-all: the old tier
         max_model_len=512 if dry else 8192, num_kv_blocks=gpu_blocks or (2048 if dry else None),
@@ -711,7 +774,7 @@ def print_goals(results, modes, loads, corpus, warm_stream, streams) -> None:  #
             if mode != "no-cache" and (mode, top) in results:
                 print(f"  {mode}: p50 TTFT at {top} ({held}, growth {growth or 0:.2f}x) "
                       f"{p50('no-cache', top) / p50(mode, top):.2f}x lower than no-cache (goal >= 5x)")  # fmt: skip
-    for chunk_mode in ("chunks", "chunks-inplace"):
+    for chunk_mode in [m for m in BASE_MODES if m.startswith("chunks")]:
         if ("exact-rank", rates[-1] if rates else "seq") in results and chunk_mode in modes:
             for load in [*(["seq"] if "seq" in loads else []), *rates]:
                 print(f"  {chunk_mode}: p50 TTFT at {load} {p50('exact-rank', load) / p50(chunk_mode, load):.2f}x "

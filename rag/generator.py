@@ -176,3 +176,17 @@ class PrefixCacheProbe(Protocol):
         can be stale by the time the request runs (it only guides the order of sources).
         """
         ...
+
+
+@runtime_checkable
+class ChunkReuseProbe(Protocol):
+    """A generator that reuses a chunk's KV at any position (the local engine with kv_reuse="chunks")."""
+
+    def source_to_lead(self, request: GenerationRequest) -> int | None:
+        """Which of `request`'s sources (an index in its order) to place first, or None for no preference.
+
+        The first source is computed as the chunk's own reusable KV, for free; a missed source
+        elsewhere costs a second computation once it is worth keeping. Read-only, like
+        `PrefixCacheProbe.cached_prefix`.
+        """
+        ...

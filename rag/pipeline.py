@@ -492,12 +492,16 @@ class Rag:
         The head is shared; a source's label and chunk are in its ACL's namespace (the label is
         only a citation number, and in the user's namespace it would end cross-user sharing of
         every chunk after it, since a block's hash chains all blocks before it); the history
-        and question are the user's.
+        and question are the user's. The first label ("[1]", right after the head) is shared
+        like the head: it follows nothing but the head, so it reveals nothing of any source, and
+        with it the head ends where every chunk's reusable KV starts (`rag.prompt_layout`).
         """
         user = self.user_salt(principal)
         segments = []
         for part in prompt.parts:
-            if part.kind in ("label", "chunk"):
+            if part.kind == "label" and part.source == 0:
+                segments.append(CacheSegment(part.text, SHARED_NAMESPACE, "label"))
+            elif part.kind in ("label", "chunk"):
                 segments.append(CacheSegment(part.text, acl_namespace(sources[part.source].acl), part.kind))
             else:
                 segments.append(CacheSegment(part.text, SHARED_NAMESPACE if part.kind == "head" else user))

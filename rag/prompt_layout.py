@@ -3,9 +3,10 @@
 With B the engine's KV block size, a RAG prompt becomes
 
     [template head + "Sources:" pad ...]    shared namespace; ends on a block boundary
-    [pad ... "[1]"]                         label 1, its source's ACL namespace: one block
+    [pad ... "[1]"]                         label 1, shared too: one block, the head's last
     [" title\ntext\n\n" pad ...]           chunk 1, its ACL namespace; ends on a boundary
-    [pad ... "[2]"] [chunk 2 pad ...] ...   one label and one chunk per source
+    [pad ... "[2]"] [chunk 2 pad ...] ...   one label (its source's ACL namespace) and one
+                                            chunk per source
     [history, question, template tail]      the user's namespace, unpadded
 
 Each piece is tokenized on its own and the ids are concatenated, so a chunk's ids depend only
@@ -13,9 +14,13 @@ on its title and text, never on what comes before it or on its citation number (
 piece of its own). Every chunk starts and ends on a KV block boundary: its blocks hold nothing
 but the chunk, which is what lets the engine reuse them (exactly, in the same prefix, or at
 another position: the engine's canonical copy of a chunk is `head ‖ chunk`, so the head is
-padded to a boundary too). Padding is a token that renders as a newline (else a space), so the text the
-model reads is the text a person sees with some blank lines added; remote generators get that
-text without padding (they are sent messages, not ids).
+padded to a boundary too). A label in the head's namespace right after the head (the pipeline
+shares label 1) is laid out as the head's last block: then the first source of every prompt
+sits exactly where a chunk's canonical copy does, and computing it publishes that copy.
+
+Padding is a token that renders as a newline (else a space), so the text the model reads is
+the text a person sees with some blank lines added; remote generators get that text without
+padding (they are sent messages, not ids).
 
 A request whose segments are not parts of its last message, a chat template that does not keep
 the content verbatim, or a tokenizer without a one-token newline or space falls back to
@@ -46,7 +51,7 @@ class PromptLayout:
         chunk_spans: `(start, end)` token offsets of each chunk segment, padding included, in
             prompt order; both on KV block boundaries when the layout is padded.
         pieces: `(kind, start, end, namespace)` of each piece in order: one "head" (the chat
-            template's head and the head part), "label"s and "chunk"s, one "suffix" (the
+            template's head, the head part and a shared first label), "label"s and "chunk"s, one "suffix" (the
             user's part and the template's tail), the shape of the engine's segmented prompts.
     """
 
@@ -132,6 +137,8 @@ def lay_out(request: GenerationRequest, tokenizer: Any, block_size: int, pad_id:
             continue
         _add_region(regions, len(ids), segment.namespace)
         kind = segment.kind if segment.kind != "text" else ("suffix" if i == last else "head")
+        if kind == "label" and pieces and pieces[-1][0] == "head" and pieces[-1][3] == segment.namespace:
+            kind = "head"  # a shared label right after the head ends the head (see the module's doc)
         if kind == "head" and pieces and pieces[-1][0] == "head" and pieces[-1][3] == segment.namespace:
             # The chat template's head and the shared head part are one piece.
             pieces[-1] = ("head", pieces[-1][1], len(ids) + len(piece), segment.namespace)

@@ -16,6 +16,13 @@ simulated over `examples/questions.jsonl`) it reused 8x the source tokens of ran
 (a remote server's `cache_salt = user`) and 1.6x shared across users (`cache_salt = off`):
 rank order changes the first source whenever two users' rankings differ, the sort does not.
 
+With an engine that reuses a chunk's KV at any position (`ChunkReuseProbe`, `kv_reuse="chunks"`),
+cached chunks are reused wherever they land, so the order matters for the missed ones: the first
+source is computed as its chunk's own reusable KV (the prompt's head, citation label [1] included,
+is what every chunk's reusable KV follows), free of the compile a missed chunk elsewhere costs. The
+engine names the source to lead with (a missed one, preferring one that missed before); the
+rest keep their rank order. When every chunk is cached, the exact-prefix order above applies.
+
 The order shown to the user follows the same order: citation [1] is the first source in the prompt.
 """
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from rag.generator import CachedPrefix, GenerationRequest, Generator, PrefixCacheProbe
+from rag.generator import CachedPrefix, ChunkReuseProbe, GenerationRequest, Generator, PrefixCacheProbe
 from rag.prompts import canonical_order
 
 T = TypeVar("T")
@@ -62,10 +69,14 @@ def order_sources(ranked: Sequence[T], generator: Generator,
 
     Args:
         ranked: best first.
-        generator: asked what is cached when it can say (PrefixCacheProbe); else the
-            (document, chunk) sort.
+        generator: asked which source to lead with (ChunkReuseProbe) and what is cached
+            (PrefixCacheProbe) when it can say; else the (document, chunk) sort.
         request_for: the generation request with the sources in a given order.
     """
+    if isinstance(generator, ChunkReuseProbe) and len(ranked) > 1:
+        lead = generator.source_to_lead(request_for(list(ranked)))
+        if lead is not None:
+            return [ranked[lead], *ranked[:lead], *ranked[lead + 1 :]]
     if isinstance(generator, PrefixCacheProbe):
         return order_for_reuse(ranked, lambda order: generator.cached_prefix(request_for(order)))
     return canonical_order(ranked)

@@ -44,7 +44,7 @@ class ChunkDoorkeeper:
 
     def on_miss(self, head: PromptSegment, chunk: PromptSegment) -> bool:
         """Count one miss of `chunk` after `head`; True when its compile should be queued now."""
-        key = hash((head.namespace, head.token_ids, chunk.namespace, chunk.token_ids))
+        key = self._key(head, chunk)
         count = self._misses.pop(key, 0) + 1
         if count >= self.misses_to_compile:
             return True  # forgotten: once compiled it hits, and if evicted it starts over
@@ -52,3 +52,11 @@ class ChunkDoorkeeper:
         if len(self._misses) > self.capacity:
             self._misses.popitem(last=False)
         return False
+
+    def has_missed(self, head: PromptSegment, chunk: PromptSegment) -> bool:
+        """Whether `chunk` after `head` missed before and is remembered (read-only: nothing is counted)."""
+        return self._key(head, chunk) in self._misses
+
+    @staticmethod
+    def _key(head: PromptSegment, chunk: PromptSegment) -> int:
+        return hash((head.namespace, head.token_ids, chunk.namespace, chunk.token_ids))

@@ -125,6 +125,21 @@ class ChunkReusePlanner:
             self.num_chunk_misses += 1
         return found
 
+    def is_cached(self, head: PromptSegment, chunk: PromptSegment) -> bool:
+        """Whether `lookup` would find the chunk's canonical KV now, on the GPU or in the host tier (read-only).
+
+        Nothing is counted, referenced or copied back, so a caller may probe before it orders
+        a prompt's sources; another thread than the stepping one may call it (the answer can be
+        stale by the time the request is added).
+        """
+        bs = self.block_manager.block_size
+        head_len = len(head.token_ids)
+        if head_len % bs:
+            return False
+        full_blocks = max(1, len(chunk.token_ids) // bs)
+        restorable = self.block_manager.num_restorable_prefix_tokens(_canonical_probe(head, chunk))
+        return restorable >= head_len + full_blocks * bs
+
     def canonical_blocks(self, head: PromptSegment, chunk: PromptSegment) -> list[int]:
         """Cached blocks of the chunk's canonical chain (its full blocks after the head), leading run only.
 

@@ -223,8 +223,13 @@ class LLMEngine:
             self.block_manager.restore_from_host(seq)
         if seq.segments is not None and self.chunk_planner is not None:
             head = seq.segments[0]
-            for chunk in seq.segments:
+            for position, chunk in enumerate(seq.segments):
                 if chunk.kind is not SegmentKind.CHUNK or self.chunk_planner.lookup(head, chunk):
+                    continue
+                if position == 1:
+                    # Right after the head, the request's own prefill of the chunk *is* its canonical
+                    # chain `head ‖ chunk` (same tokens, positions and namespaces), published as it
+                    # is computed: a compile would only compute it again.
                     continue
                 if self._doorkeeper is None:
                     # chunk_miss="wait": the compile goes first and the request waits for it.
@@ -317,6 +322,34 @@ class LLMEngine:
 
     def get_metrics(self) -> MetricsSnapshot:
         return self.metrics.snapshot(self.scheduler)
+
+    def chunk_to_lead(self, head: PromptSegment, chunks: SequenceABC[PromptSegment]) -> int | None:
+        """Which of a prompt's chunks should come right after the head, so that computing it costs no compile.
+
+        With `kv_reuse="chunks"` a chunk placed right after the head is computed as its own
+        canonical chain `head ‖ chunk` and published by the request itself, whereas a missed chunk
+        anywhere else is computed in place and, if it missed before, compiled once more. So the
+        chunk to lead with is one whose canonical KV is not cached: among those, the first (in
+        the given order, e.g. by rank) that missed before (it is likely to be retrieved again),
+        else the first. None when every chunk is cached, or the engine does not reuse chunks:
+        then the order does not matter for chunk reuse.
+
+        Read-only like `num_cached_prefix_tokens`: nothing is counted, referenced or copied back.
+
+        Args:
+            head: the prompt's head segment (everything before its first chunk).
+            chunks: the prompt's chunk segments, in the caller's preferred order.
+        """
+        if self.chunk_planner is None:
+            return None
+        missed = [i for i, chunk in enumerate(chunks) if not self.chunk_planner.is_cached(head, chunk)]
+        if not missed:
+            return None
+        if self._doorkeeper is not None:
+            for i in missed:
+                if self._doorkeeper.has_missed(head, chunks[i]):
+                    return i
+        return missed[0]
 
     def num_cached_prefix_tokens(self, token_ids: list[int], namespace: NamespaceSpec = None) -> int:
         """Leading tokens of `token_ids` whose KV the prefix cache holds now under `namespace` (whole blocks).

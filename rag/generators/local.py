@@ -25,7 +25,7 @@ from rag.generator import (
     GenerationRequest,
     TextDelta,
 )
-from rag.prompt_layout import lay_out, pad_token_id
+from rag.prompt_layout import PromptLayout, lay_out, pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -117,20 +117,41 @@ class LocalGenerator:
         cached = self.engine.engine.num_cached_prefix_tokens(layout.token_ids, layout.regions)
         return CachedPrefix(cached, layout.chunk_ends)
 
-    def _engine_prompt(self, request: GenerationRequest) -> tuple[list[int], list[tuple[int, str | None]], list | None]:
-        """Ids and regions, plus the segmented prompt when the engine reuses chunks at any position.
+    def source_to_lead(self, request: GenerationRequest) -> int | None:
+        """The source to place first so that its chunk KV is published by this request (rag.source_order).
+
+        None unless the engine reuses chunks at any position (`kv_reuse="chunks"`) and the prompt
+        lays out block-aligned; then the engine's `chunk_to_lead` (read-only).
+        """
+        laid_out = self._chunk_segments(request)
+        if laid_out is None:
+            return None
+        segments = laid_out[1]
+        chunks = [s for s in segments if s.kind.value == "chunk"]
+        return self.engine.engine.chunk_to_lead(segments[0], chunks)
+
+    def _chunk_segments(self, request: GenerationRequest) -> tuple[PromptLayout, list] | None:
+        """The layout and the engine's segmented prompt of `request` when the engine reuses chunks.
 
         Only a block-aligned RAG layout is segmented: the engine reuses a chunk's KV only when the
-        head and the chunk start on block boundaries; anything else goes as ids and regions.
+        head and the chunk start on block boundaries; None for anything else.
         """
-        if self.engine.engine.config.kv_reuse == "chunks":
-            layout = lay_out(request, self.tokenizer, self.block_size, self.pad_token_id, self._encode)
-            if layout is not None and layout.pieces:
-                from generation.engine.prompt_segments import PromptSegment
+        if self.engine.engine.config.kv_reuse != "chunks":
+            return None
+        layout = lay_out(request, self.tokenizer, self.block_size, self.pad_token_id, self._encode)
+        if layout is None or not layout.pieces:
+            return None
+        from generation.engine.prompt_segments import PromptSegment
 
-                segments = [PromptSegment.of(kind, layout.token_ids[start:end], namespace)
-                            for kind, start, end, namespace in layout.pieces]
-                return layout.token_ids, layout.regions, segments
+        return layout, [PromptSegment.of(kind, layout.token_ids[start:end], namespace)
+                        for kind, start, end, namespace in layout.pieces]
+
+    def _engine_prompt(self, request: GenerationRequest) -> tuple[list[int], list[tuple[int, str | None]], list | None]:
+        """Ids and regions, plus the segmented prompt when the engine reuses chunks at any position."""
+        laid_out = self._chunk_segments(request)
+        if laid_out is not None:
+            layout, segments = laid_out
+            return layout.token_ids, layout.regions, segments
         ids, regions = self.prompt(request)
         return ids, regions, None
 

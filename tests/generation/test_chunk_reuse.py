@@ -120,25 +120,48 @@ def test_recompute_all_equals_full_prefill(tiny):
     torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
 
 
-def test_a_chunk_right_after_the_head_is_exact_bit_for_bit(tiny):
-    # Delta 0 and the head as its only context: the canonical KV is exactly this prompt's prefix,
-    # so chunk mode serves it as an exact prefix hit and computes what exact mode computes after
-    # the same `head ‖ chunk` prefill, bit for bit. Against a cache-free full prefill the match
-    # is to fp32 rounding only: CPU BLAS rounds a 5-row and a 25-row product differently (exact
-    # mode's prefix hits differ from full prefill the same way, by 2.5e-6 here).
+def compiles_of(engine: LLMEngine) -> list:
+    """Records every chunk compile the engine queues from now on (`_compile`'s calls)."""
+    calls: list = []
+    queue = engine._compile
+
+    def recording(head, chunk):  # noqa: ANN001, ANN202
+        calls.append(chunk)
+        return queue(head, chunk)
+
+    engine._compile = recording
+    return calls
+
+
+@pytest.mark.parametrize("chunk_miss", ["wait", "in_place"])
+def test_a_chunk_right_after_the_head_publishes_its_own_canonical_kv(tiny, chunk_miss):
+    # Right after the head, a missed chunk's prefill is its canonical chain head || chunk (the same
+    # tokens, positions and namespaces): the request computes it, with no compile before or after,
+    # exactly as full prefill does (bit for bit: the same one prefill of the same tokens). Then the
+    # chunk is an exact prefix hit in that place, and a chunk-cache hit anywhere else.
     segments = [HEAD, CHUNK_A, QUESTION]
     full = first_logits(make_llm(tiny, enable_prefix_caching=False).engine, segments)
+    llm = make_llm(tiny, kv_reuse="chunks", chunk_miss=chunk_miss)
+    planner, compiles = llm.engine.chunk_planner, compiles_of(llm.engine)
+    assert torch.equal(first_logits(llm.engine, segments), full)
+    assert llm.engine.block_manager.num_hit_tokens == 0
+    assert (planner.num_chunk_hits, planner.num_chunk_misses) == (0, 1) and compiles == []
+
+    # The same place again: an exact prefix hit of head || chunk, as exact mode's after the same prefill.
     exact = make_llm(tiny)
     exact.generate([[*HEAD.token_ids, *CHUNK_A.token_ids]], SamplingParams(max_tokens=1), [(0, "sys"), (8, "acl:a")])
-    exact_hit = first_logits(exact.engine, segments)
-    llm = make_llm(tiny, kv_reuse="chunks")
-    got = first_logits(llm.engine, segments)  # compiles CHUNK_A, then runs the prompt over it
-    assert llm.engine.chunk_planner.num_chunk_misses == 1
-    assert llm.engine.chunk_planner.num_reused_tokens == 0  # no copy: an exact prefix hit
+    again = [HEAD, CHUNK_A, PromptSegment.of("suffix", [75, 76, 77], "user:y")]
+    assert torch.equal(first_logits(llm.engine, again), first_logits(exact.engine, again))
     hits = len(HEAD.token_ids) + len(CHUNK_A.token_ids)
     assert llm.engine.block_manager.num_hit_tokens == exact.engine.block_manager.num_hit_tokens == hits
-    assert torch.equal(got, exact_hit)
-    torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+    assert planner.num_chunk_hits == 1 and planner.num_reused_tokens == 0  # no copy: an exact hit
+
+    # Elsewhere: reused from the chain the first request published. CHUNK_B, missed but first,
+    # publishes itself in turn: still no compile.
+    first_logits(llm.engine, [HEAD, CHUNK_B, label(2), CHUNK_A, QUESTION])
+    assert planner.num_chunk_hits == 2 and planner.num_chunks_reused == 1 and planner.num_reused_tokens > 0
+    assert compiles == []
+    assert planner.is_cached(HEAD, CHUNK_B)
 
 
 def test_exact_mode_equals_full_prefill_and_copies_nothing(tiny):

@@ -103,10 +103,13 @@ def test_each_part_is_in_its_namespace_and_blocks_of_a_chunk_in_its_acl_only(rag
     namespaces = CacheNamespaces.of(out.regions, len(out.token_ids))
     for (start, end), ns in zip(out.chunk_spans, [genomics, public], strict=True):
         assert {namespaces.block_key(b, BS) for b in range(start // BS, end // BS)} == {ns}
-    # The label is the source's (its region starts at the label's first token), the user's
-    # part starts right after the last chunk, on a block boundary.
-    label_start = out.regions[1][0]
-    assert tokenizer.decode(out.token_ids[label_start:out.chunk_spans[0][0]]).strip() == "[1]"
+    # Label 1 follows only the head and is shared with it: the first chunk's region starts at
+    # the chunk. Label 2 is its source's (its region starts at the label's first token). The
+    # user's part starts right after the last chunk, on a block boundary.
+    assert out.regions[1][0] == out.chunk_spans[0][0]
+    assert tokenizer.decode(out.token_ids[out.chunk_spans[0][0] - BS:out.chunk_spans[0][0]]).strip() == "[1]"
+    label_start = out.regions[2][0]
+    assert tokenizer.decode(out.token_ids[label_start:out.chunk_spans[1][0]]).strip() == "[2]"
     assert out.regions[-1][0] == out.chunk_spans[-1][1]
     assert tokenizer.decode(out.token_ids[out.regions[-1][0]:]).startswith("Question: Which nodes?")
 
@@ -132,10 +135,13 @@ def test_the_pieces_are_an_engine_segmented_prompt_with_a_block_aligned_head(rag
     from generation.engine.prompt_segments import PromptSegment, check_segments
 
     _, out = layout(rag, tokenizer, "Which nodes?", [X, Y])
-    assert [kind for kind, *_ in out.pieces] == ["head", "label", "chunk", "label", "chunk", "suffix"]
+    # The first label ends the head: the first chunk sits where its canonical copy head || chunk
+    # does, so computing it there publishes that copy.
+    assert [kind for kind, *_ in out.pieces] == ["head", "chunk", "label", "chunk", "suffix"]
     segments = [PromptSegment.of(kind, out.token_ids[start:end], ns) for kind, start, end, ns in out.pieces]
     check_segments(segments)
     assert [t for s in segments for t in s.token_ids] == out.token_ids
+    assert tokenizer.decode(segments[0].token_ids[-BS:]).strip() == "[1]"
     # The engine's canonical copy of a chunk is head || chunk: the head fills whole blocks, and
     # each label is one block (pad, then "[n]").
     assert len(segments[0].token_ids) % BS == 0

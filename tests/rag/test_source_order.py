@@ -138,3 +138,38 @@ def test_probing_changes_nothing_in_the_cache(rag, generator):
     assert order_sources([B, A, C], generator, erin) == [A, B, C]
     assert (cache.evictable_blocks(), engine.block_manager.num_hit_tokens,
             engine.block_manager.num_queried_tokens, cache.num_cached_blocks) == state
+
+
+def test_with_chunk_reuse_a_missed_source_leads_and_publishes_its_own_kv(rag, model_dir):
+    """kv_reuse="chunks" (ChunkReuseProbe): cached chunks are reused wherever they land, so the
+    source to lead with is a missed one (the one that missed before first): computed right after
+    the head, it is its chunk's reusable KV, with no compile. Citations follow the order."""
+    from tests.rag.tiny_engine import local_generator
+
+    generator = local_generator(model_dir, block_size=BS, num_kv_blocks=512, kv_reuse="chunks")
+    try:
+        alice = requests_for(rag, ALICE, "Which GPU nodes can I use?")
+        generate(generator, alice([A, B]))  # A leads and is published; B misses in place
+        erin = requests_for(rag, ERIN, "Where is the share?")
+        ranked = [A, C, B]
+        order = order_sources(ranked, generator, erin)
+        assert order == [B, A, C]  # B and C missed; B missed before, so it is likely to come again
+        assert [(c.number, c.document_key) for c in citations_for(order, ranked)] == [(1, "b.md"), (2, "a.md"),
+                                                                                       (3, "c.md")]
+        engine = generator.engine.engine
+        compiles, queue = [], engine._compile
+        engine._compile = lambda head, chunk: compiles.append(chunk) or queue(head, chunk)
+        before = generator.metrics()
+        generate(generator, erin(order))
+        after = generator.metrics()
+        assert after.chunk_cache_hits - before.chunk_cache_hits == 1  # A, at a new position
+        assert compiles == []  # B publishes itself; C missed for the first time
+        # B is now cached by Erin's own prefill; C, missed in place, still is not.
+        assert generator.source_to_lead(erin([A, B])) is None
+        assert order_sources([A, C, B], generator, erin) == [C, A, B]
+    finally:
+        generator.engine.shutdown()
+
+
+def test_an_exact_only_engine_names_no_source_to_lead(rag, generator):
+    assert generator.source_to_lead(requests_for(rag, ALICE, "Which GPU nodes can I use?")([A, B])) is None
