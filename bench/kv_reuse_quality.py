@@ -21,8 +21,11 @@ and, through the dense slow reference (generation/reference/chunk_blend.py, not 
     blend v r=R         the same on values (the CacheBlend prototype's choice)
     blend+fb k r=R      every reused chunk's first block recomputed, plus the top R of the rest
 
-Every chunk lands after a label, so in "chunks" mode every chunk is reused at a shifted position
-(its canonical KV is `head ‖ chunk`, compiled on first use). Reported per condition and set:
+Label [1] ends the head, as in the service's layout, so the first source sits where its chunk's
+canonical KV `head ‖ chunk` does (an exact prefix, or computed as that KV when missed), and every
+other chunk lands after a label: in "chunks" mode it is reused at a shifted position.
+`--split-label` puts label [1] after the head as the other labels (the layout before 2026-12-03):
+then every chunk is reused at a shifted position. Reported per condition and set:
 greedy agreement with full prefill (whole answer equal; mean matching-prefix length, where an
 answer that stops early counts up to its end), KL(p_full ‖
 p_cond) of the next-token distribution at the first answer token, top-1 agreement there, and
@@ -179,8 +182,8 @@ def synthetic_items(num_sources: int, count: int = 20) -> list[Item]:
 class Layout:
     """Segments of a RAG prompt for one tokenizer and block size (KV-REUSE.md B1)."""
 
-    def __init__(self, tokenizer, block_size: int) -> None:  # noqa: ANN001
-        self.tok, self.block_size = tokenizer, block_size
+    def __init__(self, tokenizer, block_size: int, split_label: bool = False) -> None:  # noqa: ANN001
+        self.tok, self.block_size, self.split_label = tokenizer, block_size, split_label
         marker = "\u2063CONTENT\u2063"
         text = tokenizer.apply_chat_template(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": marker}],
@@ -197,10 +200,13 @@ class Layout:
         return ids + [self.pad] * (-len(ids) % self.block_size)
 
     def segments(self, item: Item, user: str) -> list[PromptSegment]:
-        head = PromptSegment.of("head", self._padded(self._ids(self.before + "Sources:\n\n")), "system")
-        out = [head]
+        head_ids = self._padded(self._ids(self.before + "Sources:\n\n"))
+        if not self.split_label:  # label 1 ends the head, as the service lays it out (rag.prompt_layout)
+            head_ids += self._padded(self._ids("[1] "))
+        out = [PromptSegment.of("head", head_ids, "system")]
         for k, (title, text) in enumerate(item.sources, 1):
-            out.append(PromptSegment.of("label", self._padded(self._ids(f"[{k}] ")), f"user:{user}"))
+            if k > 1 or self.split_label:
+                out.append(PromptSegment.of("label", self._padded(self._ids(f"[{k}] ")), f"user:{user}"))
             out.append(PromptSegment.of("chunk", self._padded(self._ids(f"{title}\n{text}\n\n")), "acl:docs"))
         out.append(PromptSegment.of("suffix", self._ids(f"Question: {item.question}" + self.after), f"user:{user}"))
         return out
@@ -301,6 +307,9 @@ def main() -> None:
         help="where the packaged SmolLM2 GGUF is converted once (default ~/.cache/labrag-bench)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also append the per-question rows here")
+    parser.add_argument("--split-label", action="store_true",
+                        help="label [1] its own segment after the head (the layout before 2026-12-03), so that "
+                             "no source sits where its chunk's canonical KV does")  # fmt: skip
     parser.add_argument("--only", nargs="*", default=None, help="run only these conditions (full always runs)")
     parser.add_argument("--sets", nargs="*", default=None, help="run only these question sets (sample, multi-source)")
     parser.add_argument(
@@ -327,7 +336,7 @@ def main() -> None:
         for name, kw in engine_conditions.items()
     }  # fmt: skip
     canonical = CanonicalKV(engines["full"].model_runner.model)
-    layout = Layout(engines["full"].tokenizer, args.block_size)
+    layout = Layout(engines["full"].tokenizer, args.block_size, args.split_label)
     rows = []
     for set_name, items in sets.items():
         for i, item in enumerate(items):

@@ -16,15 +16,15 @@ random bf16 weights. In one run, for each mode:
     chunks-inplace  kv_reuse="chunks", chunk_miss="in_place": a missed chunk is computed exactly in
                     the request's own prefill, and compiled behind it from its second miss on
     chunks-inplace-rank   the same with the sources in rank order (no lead chosen)
-    chunks-inplace-again  ... a missed chunk leads only if it missed before, else rank order
+    chunks-inplace-anymiss  ... with no missed chunk that missed before, the first missed one leads
     chunks-inplace-split  ... and label 1 its own segment after the head, as the service's
                     layout had it before: no source sits where a chunk's canonical KV does
 
 In the chunk modes the head ends with label 1 (as `rag.prompt_layout` lays out the service's
 prompts), so the first source sits exactly where its chunk's canonical KV `head ‖ chunk` does:
 computing it there publishes that KV, and the engine queues no compile for it. The sources are
-ordered as the service orders them (`LLMEngine.chunk_to_lead`): a missed chunk first (one that
-missed before, if any), the rest in rank order.
+ordered as the service orders them (`LLMEngine.chunk_to_lead`): a missed chunk that missed
+before first ("wait": any missed chunk), the rest in rank order.
 
 A mode name ending in "+host" adds the host-memory tier (--host-kv-blocks); with --gpu-kv-blocks
 the GPU pool is made small enough that the popular chunks do not fit in it, which is when the
@@ -88,7 +88,7 @@ from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E
 from generation.sampling_params import SamplingParams  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace", "chunks-inplace-rank",
-              "chunks-inplace-split", "chunks-inplace-again")
+              "chunks-inplace-split", "chunks-inplace-anymiss")
 SUFFIXES = ("", "+host", "+host-inline", "+host-all", "+full-batches", "+host+full-batches")
 MODES = tuple(m + x for x in SUFFIXES for m in BASE_MODES if not (m == "no-cache" and "+host" in x))
 
@@ -157,11 +157,13 @@ def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request],
     `history` ran before (the warm-up, earlier loads): it fills the cache but is not counted.
 
     exact-aware is estimated with one canonical (sorted) order: the sharing a cache-aware order
-    can reach at best when every earlier prompt is cached. In the chunk modes a cached chunk
-    costs its first block (none as the first source, an exact hit there), and a missed one:
-    as the first source, its tokens (it publishes itself; not in -split, whose label 1 comes
-    between); elsewhere "chunks" (wait) compiles it first and reuses it, and "chunks-inplace"
-    computes it in place at its first two misses and compiles it (once more) at the second.
+    can reach at best when every earlier prompt is cached. In the chunk modes the lead is the
+    first missed chunk that missed before (chunks-inplace; -anymiss: else the first missed), or
+    the first missed one (chunks); without one the rank order stands; a cached chunk costs its first block (none as the
+    first source, an exact hit there), and a missed one: as the first source, its tokens (it
+    publishes itself; not in -split, whose label 1 comes between); elsewhere "chunks" (wait)
+    compiles it first and reuses it, and "chunks-inplace" computes it in place at its first two
+    misses and compiles it (once more) at the second.
     """
     s = corpus.sizes
     mode = base_mode(mode)
@@ -184,13 +186,17 @@ def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request],
         seen["head"] = 1
         if mode.startswith("chunks"):
             order = list(req.chunk_ids)
-            if mode in ("chunks", "chunks-inplace", "chunks-inplace-again"):
-                missed = [c for c in order if c not in published]
-                again = [c for c in missed if c in missed_before] if mode != "chunks" else []
-                if again or (missed and mode != "chunks-inplace-again"):
-                    lead = (again or missed)[0]
-                    order.remove(lead)
-                    order.insert(0, lead)
+            missed = [c for c in order if c not in published]
+            again = [c for c in missed if c in missed_before]
+            if mode == "chunks-inplace":
+                may_lead = again
+            elif mode == "chunks-inplace-anymiss":
+                may_lead = again or missed
+            else:
+                may_lead = missed if mode == "chunks" else []
+            if may_lead:
+                order.remove(may_lead[0])
+                order.insert(0, may_lead[0])
             for k, c in enumerate(order):
                 fresh += s.label_tokens if k or split else 0
                 leads = k == 0 and not split
@@ -270,23 +276,27 @@ def chunk_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, .
     return (req.chunk_ids[lead], *req.chunk_ids[:lead], *req.chunk_ids[lead + 1 :])
 
 
-def recurring_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, ...]:
-    """chunks-inplace-again: a missed chunk that missed before leads; otherwise rank order."""
+def first_missed_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, ...]:
+    """chunks-inplace-anymiss: the engine's lead, else the first missed chunk, even one missed for the first time."""
+    lead = chunk_order(engine, corpus, req)
+    if lead != req.chunk_ids:
+        return lead
     head = segments(corpus, (), ())[0]
-    chunks = [PromptSegment.of("chunk", corpus.chunks[c], "acl:docs") for c in req.chunk_ids]
-    for i, chunk in enumerate(chunks):
-        if not engine.chunk_planner.is_cached(head, chunk) and engine._doorkeeper.has_missed(head, chunk):
-            return (req.chunk_ids[i], *req.chunk_ids[:i], *req.chunk_ids[i + 1 :])
+    for i, c in enumerate(req.chunk_ids):
+        if not engine.chunk_planner.is_cached(head, PromptSegment.of("chunk", corpus.chunks[c], "acl:docs")):
+            return (c, *req.chunk_ids[:i], *req.chunk_ids[i + 1 :])
     return req.chunk_ids
 
 
 def submit(engine: LLMEngine, corpus: Corpus, mode: str, req: Request, params: SamplingParams) -> int:
     mode = base_mode(mode)
-    if mode == "chunks-inplace-again":
-        prompt = segments(corpus, recurring_order(engine, corpus, req), req.question)
-        return engine.add_segmented_request(prompt, params, incremental_text=False)
     if mode.startswith("chunks"):
-        order = chunk_order(engine, corpus, req) if mode in ("chunks", "chunks-inplace") else req.chunk_ids
+        if mode in ("chunks", "chunks-inplace"):
+            order = chunk_order(engine, corpus, req)
+        elif mode == "chunks-inplace-anymiss":
+            order = first_missed_order(engine, corpus, req)
+        else:  # -rank, -split
+            order = req.chunk_ids
         prompt = segments(corpus, order, req.question, split=mode == "chunks-inplace-split")
         return engine.add_segmented_request(prompt, params, incremental_text=False)
     order = cache_aware_order(engine, corpus, req) if mode == "exact-aware" else req.chunk_ids

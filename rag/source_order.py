@@ -20,8 +20,9 @@ With an engine that reuses a chunk's KV at any position (`ChunkReuseProbe`, `kv_
 cached chunks are reused wherever they land, so the order matters for the missed ones: the first
 source is computed as its chunk's own reusable KV (the prompt's head, citation label [1] included,
 is what every chunk's reusable KV follows), free of the compile a missed chunk elsewhere costs. The
-engine names the source to lead with (a missed one, preferring one that missed before); the
-rest keep their rank order. When every chunk is cached, the exact-prefix order above applies.
+engine names the source to lead with (a missed one that missed before, so likely to come
+again); the rest keep their rank order. When it names none, the exact-prefix order above applies:
+a cached chunk that leads is an exact prefix hit, with nothing copied or recomputed.
 
 The order shown to the user follows the same order: citation [1] is the first source in the prompt.
 """

@@ -328,11 +328,14 @@ class LLMEngine:
 
         With `kv_reuse="chunks"` a chunk placed right after the head is computed as its own
         canonical chain `head ‖ chunk` and published by the request itself, whereas a missed chunk
-        anywhere else is computed in place and, if it missed before, compiled once more. So the
-        chunk to lead with is one whose canonical KV is not cached: among those, the first (in
-        the given order, e.g. by rank) that missed before (it is likely to be retrieved again),
-        else the first. None when every chunk is cached, or the engine does not reuse chunks:
-        then the order does not matter for chunk reuse.
+        anywhere else costs more: with `chunk_miss="in_place"` it is computed in place and, if it
+        missed before, compiled once more; with "wait" it is compiled first and the request waits.
+        So the chunk to lead with is a missed one: with "in_place" the first (in the given order,
+        e.g. by rank) that missed before, which is likely to be retrieved again (a chunk missed
+        for the first time is usually one of the many cold ones, and leading with it would move
+        a cached chunk out of the exact prefix it would have there); with "wait" the first missed.
+        None when there is no such chunk or the engine does not reuse chunks: then the caller's
+        order stands (the exact prefix cache's order, in the service).
 
         Read-only like `num_cached_prefix_tokens`: nothing is counted, referenced or copied back.
 
@@ -343,13 +346,9 @@ class LLMEngine:
         if self.chunk_planner is None:
             return None
         missed = [i for i, chunk in enumerate(chunks) if not self.chunk_planner.is_cached(head, chunk)]
-        if not missed:
-            return None
-        if self._doorkeeper is not None:
-            for i in missed:
-                if self._doorkeeper.has_missed(head, chunks[i]):
-                    return i
-        return missed[0]
+        if self._doorkeeper is None:
+            return missed[0] if missed else None
+        return next((i for i in missed if self._doorkeeper.has_missed(head, chunks[i])), None)
 
     def num_cached_prefix_tokens(self, token_ids: list[int], namespace: NamespaceSpec = None) -> int:
         """Leading tokens of `token_ids` whose KV the prefix cache holds now under `namespace` (whole blocks).

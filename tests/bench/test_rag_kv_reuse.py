@@ -45,21 +45,26 @@ def test_the_ideal_speed_up_follows_each_chunk_modes_rules(bench):
     # Head 16, label 8, chunk 32, question 8, 3 sources, first block 16: prompts of 144.
     corpus = bench.Corpus(bench.Sizes(120, 32, 3, 8, 4, 16, 8), 1024)
     q = tuple(range(8))
-    stream = [bench.Request((1, 2, 3), q), bench.Request((4, 2, 1), q), bench.Request((5, 2, 6), q)]
+    stream = [bench.Request(ids, q) for ids in ((1, 2, 3), (4, 2, 1), (5, 2, 6), (1, 7, 2))]
 
     def ideal(mode):
         return bench.ideal_speedup(corpus, [], stream, mode)
 
-    # chunks-inplace, by hand: 1 leads and is published; 2 and 3 miss in place (144 computed).
-    # Then 2 (missed before) leads and publishes itself, 4 misses, 1 costs its first block (104);
-    # then 5 leads, 2 is reused, 6 misses (104).
-    assert ideal("chunks-inplace") == pytest.approx(432 / (144 + 104 + 104))
-    # Rank order: 4 leads instead, and 2's second miss costs it twice, in place and compiled (136).
-    assert ideal("chunks-inplace-rank") == pytest.approx(432 / (144 + 136 + 104))
-    # Label 1 its own segment: nothing publishes itself, every label is computed (144, 192, 112).
-    assert ideal("chunks-inplace-split") == pytest.approx(432 / (144 + 192 + 112))
-    # Wait: the lead is published, the other misses compiled first and reused (176, 88, 120).
-    assert ideal("chunks") == pytest.approx(432 / (176 + 88 + 120))
+    # chunks-inplace, by hand: 1 (rank first) is published as it leads; 2 and 3 miss in place (144
+    # computed). Then 2, missed before, leads and publishes itself, 4 misses, 1 costs its first
+    # block (104); 5 leads by rank, 2 is reused, 6 misses (104); 1 leads by rank as an exact hit,
+    # 7 misses for the first time, 2 is reused (72).
+    assert ideal("chunks-inplace") == pytest.approx(576 / (144 + 104 + 104 + 72))
+    # A missed chunk leading even at its first miss: 7 leads in the last request, and 1 is reused
+    # at its first block (88).
+    assert ideal("chunks-inplace-anymiss") == pytest.approx(576 / (144 + 104 + 104 + 88))
+    # Rank order: 4 leads in the second, and 2's second miss costs it twice, in place and compiled (136).
+    assert ideal("chunks-inplace-rank") == pytest.approx(576 / (144 + 136 + 104 + 72))
+    # Label 1 its own segment: nothing publishes itself, every label is computed (144, 192, 112, 96).
+    assert ideal("chunks-inplace-split") == pytest.approx(576 / (144 + 192 + 112 + 96))
+    # Wait: the first missed chunk leads and is published, other misses are compiled first and
+    # reused (176, 88, 120, 88).
+    assert ideal("chunks") == pytest.approx(576 / (176 + 88 + 120 + 88))
     assert ideal("no-cache") == 1.0
 
 

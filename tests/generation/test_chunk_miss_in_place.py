@@ -114,29 +114,40 @@ def test_the_doorkeeper_forgets_the_least_recently_missed():
         ChunkDoorkeeper(misses_to_compile=0)
 
 
-def test_chunk_to_lead_names_a_missed_chunk_preferring_one_that_missed_before(tiny):
+def test_chunk_to_lead_names_a_missed_chunk_that_missed_before(tiny):
     llm = make_llm(tiny, kv_reuse="chunks", chunk_miss="in_place")
     engine, planner = llm.engine, llm.engine.chunk_planner
-    assert engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B, CHUNK_C]) == 0  # all missed: the first
+    # Missed for the first time (likely cold): no preference, the caller's order stands.
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B, CHUNK_C]) is None
     # A leads and publishes itself; C misses in place (its first miss, remembered).
     serve(engine, [HEAD, CHUNK_A, label(2), CHUNK_C, QUESTION])
     assert planner.is_cached(HEAD, CHUNK_A) and not planner.is_cached(HEAD, CHUNK_C)
     counters = (planner.num_chunk_hits, planner.num_chunk_misses, len(engine._doorkeeper))
     # B and C are missed; C missed before, so it is likely to come again: it leads.
     assert engine.chunk_to_lead(HEAD, [CHUNK_B, CHUNK_A, CHUNK_C]) == 2
-    assert engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B]) == 1
-    assert engine.chunk_to_lead(HEAD, [CHUNK_A]) is None  # all cached: no preference
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B]) is None  # B never missed
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A]) is None  # all cached
     # Under another namespace nothing is cached nor missed before.
     other = PromptSegment.of("chunk", CHUNK_C.token_ids, "acl:b")
-    assert engine.chunk_to_lead(HEAD, [CHUNK_A, other]) == 1
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A, other]) is None
     # Read-only: no lookup, miss or doorkeeper entry was counted by the probes.
     assert (planner.num_chunk_hits, planner.num_chunk_misses, len(engine._doorkeeper)) == counters
-    # Leading with C as told: it publishes itself, no compile is queued behind the request.
+    # Leading with C as told: it publishes itself, and no compile is queued behind the request
+    # (elsewhere, at its second miss, C would be computed in place and compiled once more).
     engine.add_segmented_request([HEAD, CHUNK_C, label(2), CHUNK_B, QUESTION],
                                  SamplingParams(max_tokens=1, ignore_eos=True))
     assert len(engine.scheduler.waiting) == 1
     drain(engine)
-    assert planner.is_cached(HEAD, CHUNK_C) and planner.is_cached(HEAD, CHUNK_B) is False
+    assert planner.is_cached(HEAD, CHUNK_C) and not planner.is_cached(HEAD, CHUNK_B)
+
+
+def test_with_wait_the_first_missed_chunk_leads(tiny):
+    # "wait" compiles every miss before the request runs: a missed chunk that leads costs no wait.
+    engine = make_llm(tiny, kv_reuse="chunks", chunk_miss="wait").engine
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B]) == 0
+    serve(engine, [HEAD, CHUNK_A, QUESTION])
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B]) == 1
+    assert engine.chunk_to_lead(HEAD, [CHUNK_A]) is None
 
 
 def test_an_engine_that_does_not_reuse_chunks_has_no_chunk_to_lead(tiny):

@@ -142,8 +142,8 @@ def test_probing_changes_nothing_in_the_cache(rag, generator):
 
 def test_with_chunk_reuse_a_missed_source_leads_and_publishes_its_own_kv(rag, model_dir):
     """kv_reuse="chunks" (ChunkReuseProbe): cached chunks are reused wherever they land, so the
-    source to lead with is a missed one (the one that missed before first): computed right after
-    the head, it is its chunk's reusable KV, with no compile. Citations follow the order."""
+    source to lead with is a missed one that missed before: computed right after the head, it is
+    its chunk's reusable KV, with no compile. Citations follow the order."""
     from tests.rag.tiny_engine import local_generator
 
     generator = local_generator(model_dir, block_size=BS, num_kv_blocks=512, kv_reuse="chunks")
@@ -154,6 +154,8 @@ def test_with_chunk_reuse_a_missed_source_leads_and_publishes_its_own_kv(rag, mo
         ranked = [A, C, B]
         order = order_sources(ranked, generator, erin)
         assert order == [B, A, C]  # B and C missed; B missed before, so it is likely to come again
+        # No source missed before: the exact-prefix order (A's chain head || A is cached, so A first).
+        assert order_sources([C, A], generator, erin) == [A, C]
         assert [(c.number, c.document_key) for c in citations_for(order, ranked)] == [(1, "b.md"), (2, "a.md"),
                                                                                        (3, "c.md")]
         engine = generator.engine.engine
