@@ -54,7 +54,9 @@ TTFT counts from each request's arrival (its Poisson time, not when the loop got
 Printed: p50/p99 TTFT, output tokens/s, prefix-cache and chunk-cache hit rates, host-tier hits
 (blocks; in brackets how many of their copies back had landed before a step needed them / a step
 waited for), prompt tokens computed, and the stream's ideal speed-up: prompt tokens / tokens that must still
-be computed by the mode's own rules with an unbounded cache. Then the issue's goals, checked.
+be computed by the mode's own rules with an unbounded cache. Then the issue's goals, checked;
+offline throughput against its own ideal, with decode counted: no-cache's offline burst is run a
+second time prefill only, and its share f of the burst's time gives 1 / (f / ideal + 1 - f).
 --copy-back times restoring one chunk's blocks from the host tier against recomputing them.
 
     python bench/rag_kv_reuse.py                       # H200: the issue's sizes
@@ -648,6 +650,7 @@ def main() -> None:
           f"{warm} prefill-only warm-up requests per mode, then {n_seq} seq and {n} per other load"
           f"{f'; GPU pool {args.gpu_kv_blocks} blocks' if args.gpu_kv_blocks else ''}", flush=True)  # fmt: skip
     capacity = args.capacity
+    prefill_share: float | None = None
     results: dict[tuple[str, str], tuple[LoadResult, dict]] = {}
     copy_back: list[tuple[str, float, float, int, float, float, float]] = []
     for mode in modes:
@@ -672,8 +675,15 @@ def main() -> None:
             result = run_load(engine, corpus, mode, streams[load], arrivals, first_token if load == "seq" else params,
                               trace)  # fmt: skip
             results[(mode, load)] = (result, counters(before, engine.get_metrics()))
-            if mode == "no-cache" and load == "offline" and capacity is None:
-                capacity = result.requests / result.seconds
+            if mode == "no-cache" and load == "offline":
+                if capacity is None:
+                    capacity = result.requests / result.seconds
+                # The same burst again, prefill only: no-cache keeps nothing, so this is the
+                # prefill share of its offline time, which bounds what any cache can gain there.
+                prefill_only = run_load(engine, corpus, mode, streams[load], arrivals, first_token)
+                prefill_share = min(1.0, prefill_only.seconds / result.seconds)
+                print(f"  no-cache offline prefill only: {prefill_only.seconds:.1f} s, {prefill_share:.0%} of the load",
+                      flush=True)  # fmt: skip
             row = table_row(results, mode, load, corpus, warm_stream, streams, capacity)
             print(f"  {result.seconds:.1f} s {row}", flush=True)
             if trace is not None:
@@ -693,7 +703,7 @@ def main() -> None:
         print(f"copy out ({mode}): the compute stream waits {staged_ms:.2f} ms for one chunk's {blocks} blocks "
               f"(gathered into GPU staging; on the host after {landed_ms:.2f} ms) against {direct_ms:.2f} ms "
               f"copied directly on it, as before ({direct_ms / staged_ms:.1f}x)")  # fmt: skip
-    print_goals(results, modes, loads, corpus, warm_stream, streams)
+    print_goals(results, modes, loads, corpus, warm_stream, streams, prefill_share)
 
 
 TABLE_HEAD = (
@@ -745,8 +755,24 @@ def print_table(results, modes, loads, corpus, warm_stream, streams, capacity) -
         print(f"\nno-cache capacity (offline requests/s): {capacity:.2f}")
 
 
-def print_goals(results, modes, loads, corpus, warm_stream, streams) -> None:  # noqa: ANN001
-    """The issue's goals against this run (only those whose rows ran)."""
+def throughput_ideal(prompt_ideal: float, prefill_share: float) -> float:
+    """The offline throughput gain when prefill work falls by `prompt_ideal` and decode stays.
+
+    Args:
+        prompt_ideal: prompt tokens / tokens still computed (ideal_speedup).
+        prefill_share: the share of no-cache's offline time that is prefill (0..1).
+    """
+    return 1.0 / (prefill_share / prompt_ideal + (1.0 - prefill_share))
+
+
+def print_goals(results, modes, loads, corpus, warm_stream, streams,  # noqa: ANN001
+                prefill_share: float | None = None) -> None:
+    """The issue's goals against this run (only those whose rows ran).
+
+    Offline throughput is held against the throughput ideal when no-cache's prefill share was
+    measured (decode work is the same in every mode, so the prompt-token ideal, printed beside
+    it, is out of any mode's reach), else against the prompt-token ideal.
+    """
 
     def p50(mode: str, load: str) -> float:
         return percentile(results[(mode, load)][0].ttft, 0.5)
@@ -768,6 +794,11 @@ def print_goals(results, modes, loads, corpus, warm_stream, streams) -> None:  #
                 got = tput(mode, load) / tput("no-cache", load)
             ideal = ideal_speedup(corpus, history_of(warm_stream, streams, load), streams[load], mode)
             what = "sequential TTFT" if load == "seq" else "offline throughput"
+            if load == "offline" and prefill_share is not None:
+                bound = throughput_ideal(ideal, prefill_share)
+                print(f"  {mode}: {what} {got:.2f}x of its ideal {bound:.2f}x (prompt-token ideal {ideal:.2f}x, "
+                      f"prefill {prefill_share:.0%} of no-cache's offline time) = {got / bound:.0%} (goal >= 80%)")
+                continue
             print(f"  {mode}: {what} {got:.2f}x of ideal {ideal:.2f}x = {got / ideal:.0%} (goal >= 80%)")
     rates = [load for load in loads if load not in ("seq", "offline")]
     # "Near the no-cache server's capacity": the highest rate whose queue no-cache still holds

@@ -68,6 +68,14 @@ def test_the_ideal_speed_up_follows_each_chunk_modes_rules(bench):
     assert ideal("no-cache") == 1.0
 
 
+def test_the_throughput_ideal_is_the_issues_arithmetic(bench):
+    # Issue 16: "compute can fall by about 2.4x at most and offline throughput by about 1.75x",
+    # i.e. prefill is about 73.5% of no-cache's offline time.
+    assert bench.throughput_ideal(2.4, 0.735) == pytest.approx(1.75, abs=0.01)
+    assert bench.throughput_ideal(2.4, 1.0) == pytest.approx(2.4)  # all prefill: the prompt-token ideal
+    assert bench.throughput_ideal(2.4, 0.0) == 1.0  # all decode: nothing to gain
+
+
 @pytest.mark.slow
 def test_the_dry_run_prints_the_table_and_the_goals(tmp_path):
     out = subprocess.run(
@@ -81,3 +89,6 @@ def test_the_dry_run_prints_the_table_and_the_goals(tmp_path):
     assert len(rows) == 1 and rows[0].count("|") == 16  # 15 columns, queue growth and host copies out among them
     assert rows[0].split("|")[11].strip() == "-"  # host copies out: no host tier in this mode
     assert "lower than no-cache (goal >= 5x)" in out.stdout
+    # Offline throughput is held against its ideal with decode counted (no-cache's prefill share).
+    assert "no-cache offline prefill only:" in out.stdout
+    assert "chunks-inplace: offline throughput" in out.stdout and "of no-cache's offline time) =" in out.stdout
