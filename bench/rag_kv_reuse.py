@@ -88,6 +88,7 @@ from generation.engine.prompt_segments import PromptSegment  # noqa: E402
 from generation.engine.startup_heap import freeze_startup_heap  # noqa: E402
 from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
+from rag.source_order import lead_with  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace", "chunks-inplace-rank",
               "chunks-inplace-split", "chunks-inplace-anymiss")
@@ -161,11 +162,11 @@ def ideal_speedup(corpus: Corpus, history: list[Request], stream: list[Request],
     exact-aware is estimated with one canonical (sorted) order: the sharing a cache-aware order
     can reach at best when every earlier prompt is cached. In the chunk modes the lead is the
     first missed chunk that missed before (chunks-inplace; -anymiss: else the first missed), or
-    the first missed one (chunks); without one the rank order stands; a cached chunk costs its first block (none as the
-    first source, an exact hit there), and a missed one: as the first source, its tokens (it
-    publishes itself; not in -split, whose label 1 comes between); elsewhere "chunks" (wait)
-    compiles it first and reuses it, and "chunks-inplace" computes it in place at its first two
-    misses and compiles it (once more) at the second.
+    the first missed one (chunks); without one the rank order stands. A cached chunk costs its
+    first block (none as the first source, an exact hit there), and a missed one: as the first
+    source, its tokens (it publishes itself; not in -split, whose label 1 comes between);
+    elsewhere "chunks" (wait) compiles it first and reuses it, and "chunks-inplace" computes it
+    in place at its first two misses and compiles it (once more) at the second.
     """
     s = corpus.sizes
     mode = base_mode(mode)
@@ -258,47 +259,44 @@ def cache_aware_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[
     return tuple(order)
 
 
+def head_segment(corpus: Corpus, split: bool = False) -> PromptSegment:
+    """The head: label 1 ends it (as the service lays it out), unless it is its own segment (split)."""
+    return PromptSegment.of("head", corpus.head if split else corpus.head + corpus.labels[0], "system")
+
+
+def chunk_segment(corpus: Corpus, c: int) -> PromptSegment:
+    return PromptSegment.of("chunk", corpus.chunks[c], "acl:docs")
+
+
 def segments(corpus: Corpus, order: tuple[int, ...], question: tuple[int, ...],
              split: bool = False) -> list[PromptSegment]:
-    """The segmented prompt: label 1 ends the head (as the service lays it out), or its own segment (split)."""
-    out = [PromptSegment.of("head", corpus.head if split else corpus.head + corpus.labels[0], "system")]
+    """The segmented prompt: the head, then per source its label (none before the first unless split) and chunk."""
+    out = [head_segment(corpus, split)]
     for k, c in enumerate(order):
         if k or split:
             out.append(PromptSegment.of("label", corpus.labels[k], "user"))
-        out.append(PromptSegment.of("chunk", corpus.chunks[c], "acl:docs"))
+        out.append(chunk_segment(corpus, c))
     return [*out, PromptSegment.of("suffix", question, "user")]
 
 
-def chunk_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, ...]:
-    """The service's order (rag.source_order): the chunk the engine names to lead with first, the rest by rank."""
-    head = segments(corpus, (), ())[0]
-    lead = engine.chunk_to_lead(head, [PromptSegment.of("chunk", corpus.chunks[c], "acl:docs") for c in req.chunk_ids])
-    if lead is None:
-        return req.chunk_ids
-    return (req.chunk_ids[lead], *req.chunk_ids[:lead], *req.chunk_ids[lead + 1 :])
+def chunk_order(engine: LLMEngine, corpus: Corpus, req: Request, any_miss: bool = False) -> tuple[int, ...]:
+    """The service's order (rag.source_order): the chunk the engine names to lead with first, the rest by rank.
 
-
-def first_missed_order(engine: LLMEngine, corpus: Corpus, req: Request) -> tuple[int, ...]:
-    """chunks-inplace-anymiss: the engine's lead, else the first missed chunk, even one missed for the first time."""
-    lead = chunk_order(engine, corpus, req)
-    if lead != req.chunk_ids:
-        return lead
-    head = segments(corpus, (), ())[0]
-    for i, c in enumerate(req.chunk_ids):
-        if not engine.chunk_planner.is_cached(head, PromptSegment.of("chunk", corpus.chunks[c], "acl:docs")):
-            return (c, *req.chunk_ids[:i], *req.chunk_ids[i + 1 :])
-    return req.chunk_ids
+    any_miss (chunks-inplace-anymiss): when the engine names none, the first missed chunk leads,
+    even one missed for the first time.
+    """
+    head, chunks = head_segment(corpus), [chunk_segment(corpus, c) for c in req.chunk_ids]
+    lead = engine.chunk_to_lead(head, chunks)
+    if lead is None and any_miss:
+        lead = next((i for i, chunk in enumerate(chunks) if not engine.chunk_planner.is_cached(head, chunk)), None)
+    return req.chunk_ids if lead is None else tuple(lead_with(req.chunk_ids, lead))
 
 
 def submit(engine: LLMEngine, corpus: Corpus, mode: str, req: Request, params: SamplingParams) -> int:
     mode = base_mode(mode)
     if mode.startswith("chunks"):
-        if mode in ("chunks", "chunks-inplace"):
-            order = chunk_order(engine, corpus, req)
-        elif mode == "chunks-inplace-anymiss":
-            order = first_missed_order(engine, corpus, req)
-        else:  # -rank, -split
-            order = req.chunk_ids
+        ranked = mode in ("chunks-inplace-rank", "chunks-inplace-split")
+        order = req.chunk_ids if ranked else chunk_order(engine, corpus, req, mode == "chunks-inplace-anymiss")
         prompt = segments(corpus, order, req.question, split=mode == "chunks-inplace-split")
         return engine.add_segmented_request(prompt, params, incremental_text=False)
     order = cache_aware_order(engine, corpus, req) if mode == "exact-aware" else req.chunk_ids

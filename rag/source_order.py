@@ -38,6 +38,11 @@ from rag.prompts import canonical_order
 T = TypeVar("T")
 
 
+def lead_with(items: Sequence[T], index: int) -> list[T]:
+    """`items` with the one at `index` moved to the front, the others in their order."""
+    return [items[index], *items[:index], *items[index + 1 :]]
+
+
 def order_for_reuse(ranked: Sequence[T], cached: Callable[[list[T]], CachedPrefix]) -> list[T]:
     """`ranked` reordered so that the prompt's cached prefix is longest (greedy), ties by rank.
 
@@ -77,7 +82,7 @@ def order_sources(ranked: Sequence[T], generator: Generator,
     if isinstance(generator, ChunkReuseProbe) and len(ranked) > 1:
         lead = generator.source_to_lead(request_for(list(ranked)))
         if lead is not None:
-            return [ranked[lead], *ranked[:lead], *ranked[lead + 1 :]]
+            return lead_with(ranked, lead)
     if isinstance(generator, PrefixCacheProbe):
         return order_for_reuse(ranked, lambda order: generator.cached_prefix(request_for(order)))
     return canonical_order(ranked)

@@ -118,7 +118,7 @@ class ChunkReusePlanner:
         if self.block_manager.host_tier is not None and len(head.token_ids) % self.block_manager.block_size == 0:
             # Canonical blocks evicted to the host tier come back now: a hit, not a compile.
             self.block_manager.restore_from_host(_canonical_probe(head, chunk))
-        found = len(self.canonical_blocks(head, chunk)) >= max(1, len(chunk.token_ids) // self.block_manager.block_size)
+        found = len(self.canonical_blocks(head, chunk)) >= self._full_blocks(chunk)
         if found:
             self.num_chunk_hits += 1
         else:
@@ -136,9 +136,12 @@ class ChunkReusePlanner:
         head_len = len(head.token_ids)
         if head_len % bs:
             return False
-        full_blocks = max(1, len(chunk.token_ids) // bs)
         restorable = self.block_manager.num_restorable_prefix_tokens(_canonical_probe(head, chunk))
-        return restorable >= head_len + full_blocks * bs
+        return restorable >= head_len + self._full_blocks(chunk) * bs
+
+    def _full_blocks(self, chunk: PromptSegment) -> int:
+        """Canonical blocks a chunk needs cached to count as a hit (its full blocks, at least one)."""
+        return max(1, len(chunk.token_ids) // self.block_manager.block_size)
 
     def canonical_blocks(self, head: PromptSegment, chunk: PromptSegment) -> list[int]:
         """Cached blocks of the chunk's canonical chain (its full blocks after the head), leading run only.

@@ -144,6 +144,7 @@ def test_with_chunk_reuse_a_missed_source_leads_and_publishes_its_own_kv(rag, mo
     """kv_reuse="chunks" (ChunkReuseProbe): cached chunks are reused wherever they land, so the
     source to lead with is a missed one that missed before: computed right after the head, it is
     its chunk's reusable KV, with no compile. Citations follow the order."""
+    from tests.generation.test_chunk_reuse import compiles_of
     from tests.rag.tiny_engine import local_generator
 
     generator = local_generator(model_dir, block_size=BS, num_kv_blocks=512, kv_reuse="chunks")
@@ -158,9 +159,7 @@ def test_with_chunk_reuse_a_missed_source_leads_and_publishes_its_own_kv(rag, mo
         assert order_sources([C, A], generator, erin) == [A, C]
         assert [(c.number, c.document_key) for c in citations_for(order, ranked)] == [(1, "b.md"), (2, "a.md"),
                                                                                        (3, "c.md")]
-        engine = generator.engine.engine
-        compiles, queue = [], engine._compile
-        engine._compile = lambda head, chunk: compiles.append(chunk) or queue(head, chunk)
+        compiles = compiles_of(generator.engine.engine)
         before = generator.metrics()
         generate(generator, erin(order))
         after = generator.metrics()
