@@ -37,7 +37,9 @@ the GPU (EngineConfig.host_kv_admit_uses = 1: hit at least once, or published by
 A mode name ending in "+full-batches" runs every multi-step decode batch to its last step, as
 the engine did before LLMEngine.step's `arrived`: the server loop here tells the engine when a
 request has arrived, and a batch then ends after the steps already launched (the peer row that
-shows what that is worth).
+shows what that is worth). A mode name ending in "+torch-copy" copies reused chunk KV with the
+torch path (a gather, fp32 rotation and scatter per chunk, each waiting on its index copies), as
+the engine did before `generation/layers/triton_kv_copy.py` (one launch for all of a step's copies).
 
 Each mode starts from an empty cache and is warmed once by --warmup requests of the same stream,
 prefill only (max_tokens=1: the cache holds the same prompt blocks, at a fraction of the time),
@@ -74,7 +76,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -86,13 +88,14 @@ from generation.config import EngineConfig  # noqa: E402
 from generation.engine.llm_engine import LLMEngine  # noqa: E402
 from generation.engine.prompt_segments import PromptSegment  # noqa: E402
 from generation.engine.startup_heap import freeze_startup_heap  # noqa: E402
+from generation.layers.kernel_choice import set_kv_copy_kernel  # noqa: E402
 from generation.layers.kernel_warmup import recording_triton_compiles  # noqa: E402
 from generation.sampling_params import SamplingParams  # noqa: E402
 from rag.source_order import lead_with  # noqa: E402
 
 BASE_MODES = ("no-cache", "exact-rank", "exact-aware", "chunks", "chunks-inplace", "chunks-inplace-rank",
               "chunks-inplace-split", "chunks-inplace-anymiss")
-SUFFIXES = ("", "+host", "+host-inline", "+host-all", "+full-batches", "+host+full-batches")
+SUFFIXES = ("", "+host", "+host-inline", "+host-all", "+full-batches", "+host+full-batches", "+torch-copy")
 MODES = tuple(m + x for x in SUFFIXES for m in BASE_MODES if not (m == "no-cache" and "+host" in x))
 
 
@@ -315,6 +318,9 @@ class LoadResult:
     output_tokens: int
     seconds: float
     requests: int
+    # seq only: seconds each request spent in submit() (ordering probes, layout, the engine's
+    # planning), host work inside its TTFT before the first step
+    submit_seconds: list[float] = field(default_factory=list)
 
     @property
     def ttft(self) -> list[float]:
@@ -356,9 +362,11 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
     full_batches = "+full-batches" in mode
     start = time.monotonic()
     if arrivals is None:  # seq: one at a time
+        submitted: list[float] = []
         for req in stream:
             t0 = time.monotonic()
             rid = submit(engine, corpus, mode, req, params)
+            submitted.append(time.monotonic() - t0)
             first = None
             while first is None or engine.has_unfinished_requests():
                 began = time.monotonic() - start
@@ -371,7 +379,7 @@ def run_load(engine: LLMEngine, corpus: Corpus, mode: str, stream: list[Request]
                     if u.request_id == rid and first is None and u.new_token_ids:
                         first = time.monotonic()
             timed.append((t0 - start, first - t0))
-        return LoadResult(timed, out_tokens, time.monotonic() - start, len(stream))
+        return LoadResult(timed, out_tokens, time.monotonic() - start, len(stream), submitted)
     arrival_of: dict[int, float] = {}
     pending = finished = 0
 
@@ -652,6 +660,7 @@ def main() -> None:
     results: dict[tuple[str, str], tuple[LoadResult, dict]] = {}
     copy_back: list[tuple[str, float, float, int, float, float, float]] = []
     for mode in modes:
+        set_kv_copy_kernel("+torch-copy" not in mode)
         engine = LLMEngine(folder, engine_config(mode, device, dry, args.gpu_kv_blocks, args.host_kv_blocks))
         if "+host-inline" in mode:
             engine.model_runner.host_kv.overlap_copy_back = False
@@ -684,6 +693,9 @@ def main() -> None:
                       flush=True)  # fmt: skip
             row = table_row(results, mode, load, corpus, warm_stream, streams, capacity)
             print(f"  {result.seconds:.1f} s {row}", flush=True)
+            if result.submit_seconds:
+                print(f"  {mode} seq: submit() p50 {percentile(result.submit_seconds, 0.5) * 1e3:.2f} ms of the TTFT "
+                      "(host work before the first step)", flush=True)  # fmt: skip
             if trace is not None:
                 trace.report(result.timed)
                 del engine.scheduler.schedule  # back to the class's method

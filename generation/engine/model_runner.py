@@ -19,11 +19,11 @@ from generation.engine.kv_cache_sizing import GIB, decide_num_blocks, fit_max_mo
 from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.layers.attention import AttentionMetadata, KVCache
-from generation.layers.kernel_choice import triton_fused_for
+from generation.layers.kernel_choice import triton_fused_for, triton_kv_copy_for
 from generation.layers.kernel_warmup import compile_attention_variants
 from generation.layers.linear import Linear
 from generation.layers.paged_attention import attention_backend
-from generation.layers.rerotation import rerotate_keys
+from generation.layers.rerotation import copy_blocks_rerotated
 from generation.layers.sampler import sample
 from generation.loader import load_model
 from generation.models.llama import LlamaForCausalLM
@@ -232,25 +232,20 @@ class ModelRunner:
         """Copy whole KV blocks (every layer) from source to destination, keys moved by the delta.
 
         Chunk KV reuse, KV-REUSE.md B4 option B: a chunk cached at one position is copied into a
-        request's private blocks at another, keys re-rotated once in fp32 (`rerotate_keys`). One
-        gather and one scatter per distinct delta (a chunk's blocks share one), not per block.
+        request's private blocks at another, keys re-rotated once in fp32 (`rerotate_keys`): by
+        torch (`copy_blocks_rerotated`), or on CUDA in one Triton launch (`triton_kv_copy`).
 
         Args:
             copies: (source block, destination block, position delta); sources are only read.
         """
         if not copies:
             return
-        by_delta: dict[int, list[tuple[int, int]]] = {}
-        for src, dst, delta in copies:
-            by_delta.setdefault(delta, []).append((src, dst))
         inv_freq = self.model.model.rotary_emb.inv_freq
-        kv = self.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        with torch.inference_mode():
-            for delta, pairs in by_delta.items():
-                src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
-                dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-                kv[:, 1, dst] = kv[:, 1, src]
-                kv[:, 0, dst] = rerotate_keys(kv[:, 0, src], inv_freq, delta)
+        fused = triton_kv_copy_for(self.kv_cache)
+        if fused is not None:  # one launch for every copy, the indices sent without a host sync
+            fused.copy_rerotate_blocks(self.kv_cache, copies, inv_freq)
+            return
+        copy_blocks_rerotated(self.kv_cache, copies, inv_freq)
 
     def _launch_first(
         self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]

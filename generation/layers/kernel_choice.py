@@ -8,9 +8,12 @@ from types import ModuleType
 
 import torch
 
-# The fused kernels (norms, rotary + KV store, SiLU-and-mul, few-row matmuls) can be switched off
+# The fused kernels (norms, rotary + KV store, SiLU-and-mul, few-row matmuls, the reused-chunk KV
+# copy) can be switched off
 # to measure what they save or to bisect a numerical difference; attention always uses Triton on CUDA.
 _fused_enabled = True
+# The reused-chunk KV copy alone, for a benchmark's peer row (bench/rag_kv_reuse.py "+torch-copy").
+_kv_copy_enabled = True
 
 
 def set_fused_kernels(enabled: bool) -> None:
@@ -39,6 +42,17 @@ def triton_attention_for(t: torch.Tensor) -> ModuleType | None:
 def triton_fused_for(t: torch.Tensor) -> ModuleType | None:
     """The fused Triton kernels if they serve tensors like `t` and are switched on, else None."""
     return _triton_module("triton_fused") if t.is_cuda and _fused_enabled else None
+
+
+def set_kv_copy_kernel(enabled: bool) -> None:
+    """Copy reused chunk KV with the Triton kernel (True, the default, on CUDA) or the torch path."""
+    global _kv_copy_enabled
+    _kv_copy_enabled = enabled
+
+
+def triton_kv_copy_for(t: torch.Tensor) -> ModuleType | None:
+    """The one-launch copy of reused chunk KV blocks if it serves a cache like `t`, else None."""
+    return _triton_module("triton_kv_copy") if t.is_cuda and _fused_enabled and _kv_copy_enabled else None
 
 
 def triton_available() -> bool:

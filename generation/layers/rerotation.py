@@ -58,3 +58,25 @@ def rerotate_keys(k: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.
     # Pair (x1, x2) rotated by the angle: the same formula as apply_rotary's x*cos + rotate_half(x)*sin.
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(k.dtype)
+
+
+def copy_blocks_rerotated(kv_cache: torch.Tensor, copies: list[tuple[int, int, int]], inv_freq: torch.Tensor) -> None:
+    """Copy KV blocks within the cache (every layer), keys moved by each copy's delta: the torch path.
+
+    One gather and one scatter per distinct delta (a chunk's blocks share one), not per block. The
+    CUDA path, `triton_kv_copy.copy_rerotate_blocks`, does the same in one launch.
+
+    Args:
+        kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim]; K is index 0, V index 1.
+        copies: (source block, destination block, delta); sources are only read.
+        inv_freq: [head_dim / 2] fp32, the model's RoPE frequencies (scaling applied).
+    """
+    by_delta: dict[int, list[tuple[int, int]]] = {}
+    for src, dst, delta in copies:
+        by_delta.setdefault(delta, []).append((src, dst))
+    with torch.inference_mode():
+        for delta, pairs in by_delta.items():
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=kv_cache.device)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=kv_cache.device)
+            kv_cache[:, 1, dst] = kv_cache[:, 1, src]
+            kv_cache[:, 0, dst] = rerotate_keys(kv_cache[:, 0, src], inv_freq, delta)

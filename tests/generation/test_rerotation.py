@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from generation.config import _rope_scaling, _rope_theta
-from generation.layers.rerotation import check_rerotatable, rerotate_keys
+from generation.layers.rerotation import check_rerotatable, copy_blocks_rerotated, rerotate_keys
 from generation.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 from .conftest import tiny_hf_config
@@ -87,3 +87,18 @@ def test_length_dependent_schemes_are_refused(rope_type):
 @pytest.mark.parametrize("rope_type", ["default", "linear", "llama3"])
 def test_fixed_frequency_schemes_are_accepted(rope_type):
     check_rerotatable({"rope_type": rope_type})
+
+
+def test_block_copies_move_each_block_by_its_own_delta():
+    # copy_blocks_rerotated groups copies by delta; each destination must still get its own.
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 2, 10, 4, 2, HEAD_DIM, generator=gen)  # [layers, K/V, blocks, size, heads, dim]
+    before = cache.clone()
+    inv_freq = _rope_of("default").inv_freq
+    copies = [(0, 5, 40), (1, 6, 40), (2, 7, -3), (3, 8, 0)]
+    copy_blocks_rerotated(cache, copies, inv_freq)
+    for src, dst, delta in copies:
+        assert torch.equal(cache[:, 1, dst], before[:, 1, src])
+        assert torch.equal(cache[:, 0, dst], rerotate_keys(before[:, 0, src], inv_freq, delta))
+    untouched = [0, 1, 2, 3, 4, 9]
+    assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
