@@ -369,6 +369,12 @@ class BlockManager:
         evictable_reads = sum(1 for b in read if self._ref_counts[b] == 0)
         return seq.num_blocks(self.block_size) - len(hits) + evictable_reads
 
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chain hashes of seq's first num_blocks full blocks (kept in seq.block_hashes)."""
+        if num_blocks > 0:
+            self._block_hash(seq, num_blocks - 1)
+        return seq.block_hashes[:num_blocks]
+
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         hashes = seq.block_hashes
         while len(hashes) <= i:

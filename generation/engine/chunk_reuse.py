@@ -22,6 +22,8 @@ Plain Python, no torch: the copies are carried out by the model runner before th
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from generation.engine.prompt_segments import PromptSegment, SegmentKind, segment_starts
@@ -90,6 +92,14 @@ def _canonical_probe(head: PromptSegment, chunk: PromptSegment) -> Sequence:
     return Sequence([*ids, 0], max_tokens=1, namespace=regions)
 
 
+# Canonical chains whose block hashes are remembered (ChunkReusePlanner._probe). A request probes
+# each of its chunks up to three times (the caller's ordering probe, the arrival lookup, the
+# admission plan) and popular chunks come back across requests; each probe hashed every block of
+# `head ‖ chunk` again (~38 blake2b calls for a 512-token chunk). An entry is a key of about
+# 600 token ids plus 38 hashes, ~20 KB: the bound keeps them to ~10 MB.
+CHAIN_HASH_ENTRIES = 512
+
+
 class ChunkReusePlanner:
     """Plans chunk reuse over a block manager's prefix cache (lookups only; no side effects).
 
@@ -108,6 +118,8 @@ class ChunkReusePlanner:
         self.num_chunks_reused = 0
         self.num_chunks_in_place = 0
         self.num_reused_tokens = 0
+        self._chain_hashes: OrderedDict[tuple[PromptSegment, PromptSegment], tuple[bytes, ...]] = OrderedDict()
+        self._chain_lock = threading.Lock()  # is_cached may run on another thread than the stepping one
 
     def lookup(self, head: PromptSegment, chunk: PromptSegment) -> bool:
         """Whether every full block of the chunk's canonical KV is cached now (a chunk-cache hit or miss).
@@ -117,7 +129,7 @@ class ChunkReusePlanner:
         """
         if self.block_manager.host_tier is not None and len(head.token_ids) % self.block_manager.block_size == 0:
             # Canonical blocks evicted to the host tier come back now: a hit, not a compile.
-            self.block_manager.restore_from_host(_canonical_probe(head, chunk))
+            self.block_manager.restore_from_host(self._probe(head, chunk))
         found = len(self.canonical_blocks(head, chunk)) >= self._full_blocks(chunk)
         if found:
             self.num_chunk_hits += 1
@@ -136,8 +148,30 @@ class ChunkReusePlanner:
         head_len = len(head.token_ids)
         if head_len % bs:
             return False
-        restorable = self.block_manager.num_restorable_prefix_tokens(_canonical_probe(head, chunk))
+        restorable = self.block_manager.num_restorable_prefix_tokens(self._probe(head, chunk))
         return restorable >= head_len + self._full_blocks(chunk) * bs
+
+    def _probe(self, head: PromptSegment, chunk: PromptSegment) -> Sequence:
+        """`_canonical_probe`, its block hashes taken from an earlier probe of the same chain when there was one.
+
+        The hashes are a pure function of the key (the tokens and namespaces of head and chunk),
+        and every probe gets its own list: the block manager appends to it.
+        """
+        seq = _canonical_probe(head, chunk)
+        key = (head, chunk)  # frozen segments: equal tokens, namespace and kind
+        with self._chain_lock:
+            hashes = self._chain_hashes.get(key)
+            if hashes is not None:
+                self._chain_hashes.move_to_end(key)
+        if hashes is None:
+            # Every block a lookup may match (never the block of the probe's extra last token).
+            hashes = tuple(self.block_manager.block_hashes(seq, (seq.num_tokens - 1) // self.block_manager.block_size))
+            with self._chain_lock:
+                self._chain_hashes[key] = hashes
+                while len(self._chain_hashes) > CHAIN_HASH_ENTRIES:
+                    self._chain_hashes.popitem(last=False)
+        seq.block_hashes = list(hashes)
+        return seq
 
     def _full_blocks(self, chunk: PromptSegment) -> int:
         """Canonical blocks a chunk needs cached to count as a hit (its full blocks, at least one)."""
@@ -152,7 +186,7 @@ class ChunkReusePlanner:
         head_len = len(head.token_ids)
         if head_len % bs:
             return []
-        hits = self.block_manager.match(_canonical_probe(head, chunk))
+        hits = self.block_manager.match(self._probe(head, chunk))
         return hits[head_len // bs :]
 
     def restore_from_host(self, seq: Sequence) -> None:
@@ -163,7 +197,7 @@ class ChunkReusePlanner:
             return  # no chunk is reused after an unaligned head (canonical_blocks)
         for segment in seq.segments:
             if segment.kind is SegmentKind.CHUNK:
-                self.block_manager.restore_from_host(_canonical_probe(head, segment))
+                self.block_manager.restore_from_host(self._probe(head, segment))
 
     def plan(self, seq: Sequence, num_hit_blocks: int) -> ChunkReusePlan:
         """Copies and filled ranges for seq, whose first num_hit_blocks blocks are exact prefix hits."""

@@ -152,3 +152,38 @@ def test_with_wait_the_first_missed_chunk_leads(tiny):
 
 def test_an_engine_that_does_not_reuse_chunks_has_no_chunk_to_lead(tiny):
     assert make_llm(tiny).engine.chunk_to_lead(HEAD, [CHUNK_A, CHUNK_B]) is None
+
+
+def test_a_chunks_chain_is_hashed_once_and_hashes_equal_a_fresh_computation(tiny, monkeypatch):
+    # Probes of one chain (ordering probe, arrival lookup, admission plan) reuse its block hashes.
+    from generation.engine import block_manager as bm_module
+    from generation.engine import chunk_reuse
+    from generation.engine.prefix_cache import hash_block
+
+    engine = make_llm(tiny, kv_reuse="chunks").engine
+    planner = engine.chunk_planner
+    calls = []
+    monkeypatch.setattr(bm_module, "hash_block", lambda *a: calls.append(a) or hash_block(*a))
+    first = planner._probe(HEAD, CHUNK_A)
+    hashed = len(calls)
+    assert hashed == (first.num_tokens - 1) // BS  # every block a lookup may match, once
+    again = planner._probe(HEAD, CHUNK_A)
+    assert len(calls) == hashed and again.block_hashes == first.block_hashes
+    assert again.block_hashes is not first.block_hashes  # each probe appends to a list of its own
+    # Another namespace is another chain (the hashes carry it), not a hit on the remembered one.
+    other = planner._probe(HEAD, PromptSegment.of("chunk", CHUNK_A.token_ids, "imaging"))
+    head_blocks = len(HEAD.token_ids) // BS
+    assert len(calls) == 2 * hashed and set(other.block_hashes).isdisjoint(first.block_hashes[head_blocks:])
+    fresh = chunk_reuse._canonical_probe(HEAD, CHUNK_A)
+    assert engine.block_manager.block_hashes(fresh, hashed) == first.block_hashes
+
+
+def test_the_remembered_chains_are_bounded(tiny, monkeypatch):
+    from generation.engine import chunk_reuse
+
+    monkeypatch.setattr(chunk_reuse, "CHAIN_HASH_ENTRIES", 2)
+    planner = make_llm(tiny, kv_reuse="chunks").engine.chunk_planner
+    chunks = [PromptSegment.of("chunk", [7 + i] * (2 * BS), None) for i in range(3)]
+    for chunk in chunks:
+        planner._probe(HEAD, chunk)
+    assert list(planner._chain_hashes) == [(HEAD, chunks[1]), (HEAD, chunks[2])]  # the oldest went
