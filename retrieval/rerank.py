@@ -73,13 +73,14 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @functools.cache  # the CPU's flags do not change while we run
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX-BF16; Linux).
 
-    Elsewhere bf16 is emulated and slower than fp32 (bench/rerank_speed.py says which).
+    Elsewhere bf16 is emulated and slower than fp32 (bench/rerank_speed.py says which). An
+    unreadable or flag-less `cpuinfo` (macOS, a sandbox) answers False: fp32 is never the slow choice.
     """
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())

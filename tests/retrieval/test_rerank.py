@@ -243,6 +243,29 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_it_is_native(model_dir: Path, mo
     assert reranker.batch_size == 1
 
 
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True),  # Cooper Lake, Zen 4
+        ("fpu sse2 avx2 avx512f amx_tile amx_bf16", True),  # Sapphire Rapids
+        ("fpu sse2 avx2 avx512f avx512_vnni", False),  # AVX-512 without bf16: emulated
+        ("fpu sse2 avx2 avx512_bf16x", False),  # a flag is a whole word, not a prefix
+    ],
+)
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, native: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert rerank_module.cpu_has_native_bf16(str(cpuinfo)) is native
+
+
+def test_without_cpu_flags_bf16_is_not_native(tmp_path: Path) -> None:
+    # macOS has no /proc/cpuinfo, an ARM one names "Features" not "flags": fp32, never emulated bf16.
+    assert rerank_module.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert rerank_module.cpu_has_native_bf16(str(arm)) is False
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_a_cpu_a_pairs_score_depends_on_nothing_scored_beside_it(model_dir: Path, dtype: str) -> None:
     # The service scores concurrent users' pairs in one call: on a CPU (one pair per pass) a
