@@ -108,12 +108,24 @@ class BatchedQueryEmbedder:
             were embedded with.
         query_prompt: put before each question (not before `many`'s passages): the model's
             query instruction (Embedder.query_prompt; BGE's), "" for models without one.
+        one_per_pass: embed every text in a forward pass of its own (the service sets it on a
+            CPU). Batched with another user's longer text, a question is padded and its rows go
+            through matmuls of another shape, and its vector moves by ~1e-7: a user's ranking
+            would then depend, however slightly, on what someone else asked at the same moment.
+            The cross-encoder scores one pair per pass on a CPU for the same reason. A text is
+            still queued behind the others, so there is one model call at a time.
     """
 
-    def __init__(self, embed: Callable[[list[str]], np.ndarray], max_batch: int = 64, query_prompt: str = "") -> None:
-        self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
-            lambda texts: list(embed(texts)), max_batch, name="query-embed-batcher")
+    def __init__(self, embed: Callable[[list[str]], np.ndarray], max_batch: int = 64, query_prompt: str = "",
+                 one_per_pass: bool = False) -> None:
+        def run(texts: list[str]) -> list[np.ndarray]:
+            if one_per_pass:
+                return [embed([text])[0] for text in texts]
+            return list(embed(texts))
+
+        self.batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(run, max_batch, name="query-embed-batcher")
         self.query_prompt = query_prompt
+        self.one_per_pass = one_per_pass
 
     def __call__(self, question: str) -> np.ndarray:
         return self.batcher(self.query_prompt + question)

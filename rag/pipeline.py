@@ -272,7 +272,10 @@ class Rag:
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:
-        return BatchedQueryEmbedder(self.embedder.embed, query_prompt=self.embedder.query_prompt)
+        # On a CPU each text gets a pass of its own: a user's vector depends on nothing another
+        # user asked (BatchedQueryEmbedder); on a GPU concurrent questions share one pass.
+        return BatchedQueryEmbedder(self.embedder.embed, query_prompt=self.embedder.query_prompt,
+                                    one_per_pass=str(self.embedder.device) == "cpu")
 
     @cached_property
     def batched_reranker(self) -> BatchedReranker:

@@ -114,6 +114,27 @@ def test_batched_embedder_matches_one_at_a_time(cpu_embedder):
         assert np.allclose(e, g, atol=1e-5)
 
 
+def test_one_pass_per_text_makes_a_question_independent_of_what_is_batched_beside_it(cpu_embedder):
+    # The service's CPU setting: a question queued in one batch with another user's much longer
+    # text gets the vector it gets alone, bit for bit (no padding, no other matmul shape).
+    question = "Which GPU nodes can I use?"
+    other = "an unrelated question about the weather in the mountains, asked at length " * 6
+    alone = cpu_embedder.embed([question])[0]
+    embed = BatchedQueryEmbedder(cpu_embedder.embed, one_per_pass=True)
+    try:
+        together = embed.many([question, other, question[:8]])  # one batch: `many` queues them together
+        assert embed.batcher.stats.max_batch == 3
+    finally:
+        embed.close()
+    assert np.array_equal(together[0], alone)
+    assert np.array_equal(together[2], cpu_embedder.embed([question[:8]])[0])
+
+
+def test_the_service_embeds_one_question_per_pass_on_a_cpu(rag_factory, tmp_path):
+    rag = rag_factory(tmp_path / "home", device="cpu")
+    assert str(rag.embedder.device) == "cpu" and rag.query_embedder.one_per_pass
+
+
 def test_batched_reranker_matches_the_reranker_alone(model_cache):
     from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
 
