@@ -112,10 +112,10 @@ def score(rag: Rag, questions: list[Question], corpus: Path, acls: dict[str, fro
 
     for q in questions:
         deep = pages_of(q, deep_k)
-        # With the reranker both lists come from the same `candidates` fused hits, ordered by
-        # the cross-encoder, so the top k is a prefix of the longer list; without it each leg
-        # fetches only k, and the fused top k must be asked for as such.
-        pages = deep[:k] if rerank else pages_of(q, k)
+        # The top k is asked for as such: it is not a prefix of the longer list (without the
+        # reranker each leg fetches only k; with a cap, a longer list may search deeper, and
+        # the deeper candidates add to the evidence of the pages already found).
+        pages = pages_of(q, k)
         for page in set(pages + deep):
             # An unknown page (not in the corpus's ACL map) counts as a leak too: fail closed.
             if not q.principal.can_read(acls.get(page, frozenset())):

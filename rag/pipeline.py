@@ -268,7 +268,8 @@ class Rag:
         return Retriever(store, embed_query, self.batched_reranker if use_rerank else None,
                          max_per_document=max_hits_per_document or None,  # 0: no cap
                          fuse_rerank=self.settings.fuse_rerank, embed_passages=embed_passages,
-                         dense_feedback=self.settings.dense_feedback if dense_feedback is None else dense_feedback)
+                         dense_feedback=self.settings.dense_feedback if dense_feedback is None else dense_feedback,
+                         page_evidence=self.settings.page_evidence)
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:

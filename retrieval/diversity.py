@@ -55,3 +55,57 @@ def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None,
             skipped.append(hit)
     # Fillers go after every hit within the cap: another page beats a document's third chunk.
     return kept + skipped[:k - len(kept)]
+
+
+# Measured on the PostgreSQL manual set (docs/benchmarks.md, 2026-12-04): with one hit per page,
+# weights 0.02 to 0.10 all give recall@5 0.905-0.914 by page against 0.896 with none (a page's
+# best chunk alone), and from 0.3 up the long pages win (0.878). 0.05 is the middle of that range.
+PAGE_EVIDENCE = 0.05
+_RANK_K = 60  # the RRF constant: a position's score is 1 / (_RANK_K + rank), as in the fusion
+
+
+def rank_pages(hits: Sequence[Hit], k: int, evidence: float = PAGE_EVIDENCE,
+               family: Callable[[Hit], str] | None = None) -> list[Hit]:
+    """One hit per document in the top `k`: each document's best chunk, documents ordered by evidence.
+
+    A chunk at position r (from 1) of `hits` scores 1 / (60 + r), as one vote of reciprocal-rank
+    fusion. A document scores its best chunk's score plus `evidence` times the sum of its other
+    chunks' scores, so that of two pages whose best chunks rank alike, the one that more
+    candidates come from goes first; a small weight keeps it a tie-breaker (its best chunk still
+    decides), since a long page has many middling chunks for any question on its subject.
+
+    Args:
+        hits: best first, already permission-checked.
+        k: how many to return (>= 0).
+        evidence: the weight of a document's other chunks (>= 0; 0: the best chunk alone).
+        family: a key of pages that count as one document (e.g. the release notes of each minor
+            version, `retrieval.page_families.page_family`): one hit per family, the best one.
+
+    Returns:
+        At most `k` hits: one per document (and family), each document's best-placed chunk;
+        when there are fewer documents than `k`, the rest of the places are filled with the
+        remaining hits in their order (another page's chunk beats none).
+
+    Raises:
+        ValueError: k < 0 or evidence < 0.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if evidence < 0:
+        raise ValueError(f"evidence must be >= 0, got {evidence}")
+    best: dict[str, Hit] = {}
+    scores: dict[str, float] = {}
+    for rank, hit in enumerate(hits, start=1):
+        share = 1.0 / (_RANK_K + rank)
+        if hit.document_key in best:
+            scores[hit.document_key] += evidence * share
+        else:
+            best[hit.document_key] = hit
+            scores[hit.document_key] = share
+    position = {key: i for i, key in enumerate(best)}  # ties: the best chunk's place
+    pages = sorted(best.values(), key=lambda h: (-scores[h.document_key], position[h.document_key]))
+    ranked = cap_per_document(pages, k, 1, family=family)
+    if len(ranked) < k:
+        taken = {id(h) for h in ranked}
+        ranked += [h for h in hits if id(h) not in taken][:k - len(ranked)]
+    return ranked

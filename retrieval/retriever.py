@@ -3,7 +3,9 @@
 Both legs search only what the principal may read (the filter runs inside each store's
 query), hits are post-checked against their stored ACL, and only then reranked (the
 reranker's order fused with the retrieval order) and capped per document. In hybrid mode a
-third, dense feedback leg (retrieval.feedback) starts from the best post-checked hits.
+third, dense feedback leg (retrieval.feedback) starts from the best post-checked hits. When the
+candidates come from too few documents to fill the top k under the cap, the legs are searched
+again deeper for more (`DEEPEN`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.diversity import cap_per_document
+from retrieval.diversity import PAGE_EVIDENCE, cap_per_document, rank_pages
 from retrieval.feedback import FEEDBACK_HITS, feedback_query
 from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 from retrieval.page_families import page_family
@@ -29,9 +31,14 @@ if TYPE_CHECKING:
 
 MODES = ("dense", "keyword", "hybrid")
 # Measured on the PostgreSQL manual set (docs/benchmarks.md): see the settings of the same names.
-MAX_HITS_PER_DOCUMENT = 2
+MAX_HITS_PER_DOCUMENT = 1
 FUSE_RERANK = True
 DENSE_FEEDBACK = True
+# When the capped candidates cannot fill the top k (18 of 20 candidates were release notes of
+# one family for "upgrade from 14 to 15 without dumping"), each leg is searched again this many
+# times deeper and the new hits are ranked after the first ones, instead of filling the places
+# with the capped pages' further chunks. 2x to 5x all measured alike on the manual set.
+DEEPEN = 3
 
 
 @dataclass
@@ -58,15 +65,19 @@ class Retriever:
             the feedback leg (None: no feedback leg).
         dense_feedback: in hybrid mode, fuse a third leg: a dense search from the query moved
             toward the first pass's best post-checked hits (retrieval.feedback).
+        page_evidence: with a cap of 1, documents are ordered by their best chunk plus this
+            weight times their other candidates' shares (retrieval.diversity.rank_pages).
     """
 
     def __init__(self, store: CollectionStore, embed_query: Callable[[str], np.ndarray],
                  reranker: Reranker | None = None, max_per_document: int | None = MAX_HITS_PER_DOCUMENT,
                  fuse_rerank: bool = FUSE_RERANK,
                  embed_passages: Callable[[Sequence[str]], np.ndarray] | None = None,
-                 dense_feedback: bool = DENSE_FEEDBACK) -> None:
+                 dense_feedback: bool = DENSE_FEEDBACK, page_evidence: float = PAGE_EVIDENCE) -> None:
         if max_per_document is not None and max_per_document < 1:
             raise ConfigError(f"max_per_document must be >= 1 or None (no cap), got {max_per_document}")
+        if page_evidence < 0:
+            raise ConfigError(f"page_evidence must be >= 0, got {page_evidence}")
         self.store = store
         self.embed_query = embed_query
         self.reranker = reranker
@@ -74,6 +85,7 @@ class Retriever:
         self.fuse_rerank = fuse_rerank
         self.embed_passages = embed_passages
         self.dense_feedback = dense_feedback
+        self.page_evidence = page_evidence
 
     def retrieve(self, question: str, principal: Principal, k: int = 5, candidates: int = 30,
                  rerank: bool = True, mode: str = "hybrid") -> RetrievalResult:
@@ -96,19 +108,12 @@ class Retriever:
         capped = self.max_per_document is not None and self.max_per_document < k
         fetch = max(k, candidates if ((rerank and self.reranker) or capped) else k)
 
-        legs: list[list[tuple[int, float]]] = []
         query = None
         if mode in ("dense", "hybrid"):
             t = time.perf_counter()
             query = self.embed_query(question)
             timings["embed"] = time.perf_counter() - t
-            t = time.perf_counter()
-            legs.append(self.store.search(query, fetch, tokens))
-            timings["search"] = time.perf_counter() - t
-        if mode in ("keyword", "hybrid"):
-            t = time.perf_counter()
-            legs.append(self.store.keyword_search(question, fetch, tokens))
-            timings["keyword"] = time.perf_counter() - t
+        legs = self._legs(question, query, None, mode, fetch, tokens, timings)
         # Ties go to the first leg's order (dense when it runs): content, not chunk numbering.
         found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=fetch, ties_by_first=True)
 
@@ -116,25 +121,80 @@ class Retriever:
         hits = self._readable_hits(found, principal)
         timings["fetch"] = time.perf_counter() - t
 
+        feedback = None
         if mode == "hybrid" and self.dense_feedback and self.embed_passages is not None and hits:
             t = time.perf_counter()
             # Only post-checked hits feed back: unreadable text must not steer the ranking.
             passages = self.embed_passages([h.text for h in hits[:FEEDBACK_HITS]])
-            legs.append(self.store.search(feedback_query(query, passages), fetch, tokens))
+            feedback = feedback_query(query, passages)
+            legs.append(self.store.search(feedback, fetch, tokens))
             fused = reciprocal_rank_fusion(legs, limit=fetch, ties_by_first=True)
             hits = self._readable_hits(fused, principal, known={h.chunk_id: h for h in hits})
             timings["feedback"] = time.perf_counter() - t
 
-        if rerank and self.reranker is not None and hits:
+        # A leg that returned fewer than it was asked for has nothing more to give.
+        more_exist = any(len(leg) >= fetch for leg in legs)
+        hits = self._reranked(question, hits, rerank, timings)
+        if capped and hits and more_exist and not self._fills(hits, k):
+            # Searched deeper with the same legs; the new hits go after every first one, so the
+            # deeper search only adds pages, never reorders those already found.
             t = time.perf_counter()
-            # Every candidate is scored either way; the cap below may need ranks past k.
-            reranked = self.reranker.rerank(question, hits)
-            hits = fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
-            timings["rerank"] = time.perf_counter() - t
+            deep = fetch * DEEPEN
+            legs = self._legs(question, query, feedback, mode, deep, tokens, {})
+            found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=deep, ties_by_first=True)
+            seen = {h.chunk_id for h in hits}
+            more = self._readable_hits([f for f in found if f[0] not in seen], principal)
+            timings["deepen"] = time.perf_counter() - t
+            hits += self._reranked(question, more, rerank, timings)
         # After the post-check: the cap only chooses among hits the principal may read. Pages
         # that differ only in their numbers (release notes) share one cap (retrieval.page_families).
-        return RetrievalResult(hits=cap_per_document(hits, k, self.max_per_document, family=page_family),
-                               timings=timings)
+        if self.max_per_document == 1:
+            top = rank_pages(hits, k, self.page_evidence, family=page_family)
+        else:
+            top = cap_per_document(hits, k, self.max_per_document, family=page_family)
+        return RetrievalResult(hits=top, timings=timings)
+
+    def _legs(self, question: str, query: np.ndarray | None, feedback: np.ndarray | None, mode: str,
+              n: int, tokens: list[str], timings: dict[str, float]) -> list[list[tuple[int, float]]]:
+        """Each leg's best `n` (id, score) that the tokens may read: dense, keyword, feedback."""
+        legs: list[list[tuple[int, float]]] = []
+        if query is not None:
+            t = time.perf_counter()
+            legs.append(self.store.search(query, n, tokens))
+            timings["search"] = time.perf_counter() - t
+        if mode in ("keyword", "hybrid"):
+            t = time.perf_counter()
+            legs.append(self.store.keyword_search(question, n, tokens))
+            timings["keyword"] = time.perf_counter() - t
+        if feedback is not None:
+            legs.append(self.store.search(feedback, n, tokens))
+        return legs
+
+    def _reranked(self, question: str, hits: list[Hit], rerank: bool, timings: dict[str, float]) -> list[Hit]:
+        """`hits` in the reranker's order fused with theirs (or its own), when a reranker runs."""
+        if not (rerank and self.reranker is not None and hits):
+            return hits
+        t = time.perf_counter()
+        # Every candidate is scored either way; the cap may need ranks past k.
+        reranked = self.reranker.rerank(question, hits)
+        timings["rerank"] = timings.get("rerank", 0.0) + time.perf_counter() - t
+        return fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
+
+    def _fills(self, hits: list[Hit], k: int) -> bool:
+        """Whether `hits` hold k places within the per-document (and page family) cap."""
+        cap = self.max_per_document or k
+        per_document: dict[str, int] = {}
+        per_family: dict[str, int] = {}
+        places = 0
+        for hit in hits:
+            group = page_family(hit)
+            if per_document.get(hit.document_key, 0) < cap and per_family.get(group, 0) < cap:
+                per_document[hit.document_key] = per_document.get(hit.document_key, 0) + 1
+                per_family[group] = per_family.get(group, 0) + 1
+                places += 1
+                if places >= k:
+                    return True
+        return False
 
     def _readable_hits(self, found: list[tuple[int, float]], principal: Principal,
                        known: dict[int, Hit] | None = None) -> list[Hit]:

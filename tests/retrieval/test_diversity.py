@@ -11,7 +11,7 @@ import pytest
 from permissions.models import Principal
 from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.diversity import cap_per_document
+from retrieval.diversity import PAGE_EVIDENCE, cap_per_document, rank_pages
 from retrieval.records import ChunkRecord
 from retrieval.retriever import Retriever
 from tests.fuzz_corpus import hash_embed
@@ -135,3 +135,126 @@ def test_the_service_settings_reach_the_retriever(tmp_path):
             assert (retriever.max_per_document, retriever.fuse_rerank) == (cap or None, fuse)  # 0: no cap
         finally:
             r.close()
+
+
+def titled(doc: str, i: int, title: str | None = None) -> Hit:
+    return Hit(chunk_id=hash((doc, i)) & 0xFFFF, document_key=doc, source=doc, chunk_index=i,
+               text=f"{doc} {i}", score=0.0, title=title)
+
+
+def test_rank_pages_orders_documents_by_best_chunk_plus_weighted_others() -> None:
+    # a0 at rank 1 scores 1/61 = 0.016393; b's best at rank 2 scores 1/62 = 0.016129, and its
+    # other chunks at ranks 3 and 4 add 0.05 * (1/63 + 1/64) = 0.001575: b = 0.017704 > a.
+    hits = [titled("a", 0), titled("b", 0), titled("b", 1), titled("b", 2), titled("c", 0)]
+    assert names(rank_pages(hits, 3, evidence=0.05)) == ["b0", "a0", "c0"]
+    # Without the evidence, the best chunks alone decide. At 0.01: 0.016129 + 0.000315 = 0.016444
+    # > 0.016393, b still wins by a hair.
+    assert names(rank_pages(hits, 3, evidence=0.0)) == ["a0", "b0", "c0"]
+    assert names(rank_pages(hits, 3, evidence=0.01)) == ["b0", "a0", "c0"]
+    # 0.005: 0.016129 + 0.0001575 = 0.0162865 < 0.016393: a first.
+    assert names(rank_pages(hits, 3, evidence=0.005)) == ["a0", "b0", "c0"]
+    assert rank_pages(hits, 0) == []
+    with pytest.raises(ValueError, match="evidence"):
+        rank_pages(hits, 3, evidence=-0.1)
+    with pytest.raises(ValueError, match="k must be"):
+        rank_pages(hits, -1)
+
+
+def test_rank_pages_takes_one_page_per_family_and_fills_when_documents_run_out() -> None:
+    from retrieval.page_families import page_family
+
+    notes = [titled("r1", 0, "E.2. Release 15.17"), titled("r2", 0, "E.1. Release 15.18"),
+             titled("up", 0, "pg_upgrade"), titled("r1", 1, "E.2. Release 15.17")]
+    assert names(rank_pages(notes, 2, family=page_family)) == ["r10", "up0"]
+    # Three places, two families: the skipped family member, then further chunks, fill the rest.
+    assert names(rank_pages(notes, 3, family=page_family)) == ["r10", "up0", "r20"]
+    assert names(rank_pages(notes, 4, family=page_family)) == ["r10", "up0", "r20", "r11"]
+
+
+def test_a_retriever_searches_deeper_when_one_page_holds_every_candidate(store) -> None:
+    """Real store: the three candidates are all "long"'s; the deeper search finds the other readable pages."""
+    reader, question = store
+    bob = Principal("bob", frozenset({"lab"}))
+    for mode in ("dense", "keyword", "hybrid"):
+        result = Retriever(reader, lambda text: hash_embed([text])[0], max_per_document=1).retrieve(
+            question, bob, k=3, candidates=3, rerank=False, mode=mode)
+        assert sorted(h.document_key for h in result.hits) == ["faq", "long", "short"], mode
+        assert "deepen" in result.timings
+        # A cap of 2 over two candidates (both "long"'s) fills two places: the third comes from deeper.
+        capped2 = Retriever(reader, lambda text: hash_embed([text])[0], max_per_document=2).retrieve(
+            question, bob, k=3, candidates=2, rerank=False, mode=mode)
+        keys = [h.document_key for h in capped2.hits]
+        assert keys.count("long") == 2 and len(keys) == 3 and set(keys) - {"long"} <= {"faq", "short"}, mode
+
+
+class DeepLeakyStore:
+    """Ignores the ACL filter; records how deep each leg was asked to search."""
+
+    name = "deep-leaky"
+    order = [("a", i) for i in range(4)] + [("f", 0), ("f", 1), ("b", 0), ("c", 0)]
+    acl = {"a": frozenset({"public"}), "f": frozenset({"group:secret"}), "b": frozenset({"public"}),
+           "c": frozenset({"public"})}
+
+    def __init__(self, size: int | None = None) -> None:
+        self.asked: list[int] = []
+        self.size = len(self.order) if size is None else size
+
+    def refresh(self) -> bool:
+        return False
+
+    def search(self, query, k, tokens, exact=False):
+        self.asked.append(k)
+        return [(i, 1.0 - i / 10) for i in range(self.size)][:k]
+
+    def keyword_search(self, text, k, tokens):
+        return self.search(None, k, tokens)
+
+    def chunk_records(self, ids):
+        out = {}
+        for i in ids:
+            doc, index = self.order[i]
+            out[i] = ChunkRecord(i, doc, doc, None, index, f"text {doc}{index}", None, self.acl[doc])
+        return out
+
+
+@pytest.mark.parametrize("rerank", [False, True])
+def test_the_deeper_search_is_post_checked_and_reranked_without_forbidden_hits(rerank) -> None:
+    reranker = ReversingReranker()
+    store = DeepLeakyStore()
+    retriever = Retriever(store, lambda q: hash_embed([q])[0], reranker, max_per_document=1)
+    hits = retriever.retrieve("q", Principal("bob"), k=3, candidates=4, rerank=rerank, mode="dense").hits
+    assert store.asked == [4, 12]  # the first fetch, then DEEPEN (3) times deeper
+    assert [h.document_key for h in hits][0] == "a" and sorted(h.document_key for h in hits) == ["a", "b", "c"]
+    if rerank:
+        assert set(reranker.seen) == {6, 7}  # the deeper pass scores its new readable hits only
+
+
+def test_no_deeper_search_when_the_legs_have_nothing_more() -> None:
+    store = DeepLeakyStore(size=3)  # fewer than asked for: the collection is exhausted
+    retriever = Retriever(store, lambda q: hash_embed([q])[0], max_per_document=1)
+    hits = retriever.retrieve("q", Principal("bob"), k=3, candidates=4, rerank=False, mode="dense").hits
+    assert store.asked == [4] and [h.document_key for h in hits] == ["a", "a", "a"]
+
+
+def test_default_cap_and_page_evidence_reach_the_retriever(tmp_path) -> None:
+    from rag.pipeline import Rag
+    from rag.settings import load_settings
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("# A\n\nalpha beta gamma\n")
+    r = Rag(load_settings(home=tmp_path / "home", store="memory"))
+    try:
+        r.ingest([docs], progress=False)
+        retriever = r.retriever(rerank=False)
+        assert (retriever.max_per_document, retriever.page_evidence) == (1, PAGE_EVIDENCE)
+    finally:
+        r.close()
+    r = Rag(load_settings(home=tmp_path / "home2", store="memory", page_evidence=0.0))
+    try:
+        r.ingest([docs], progress=False)
+        assert r.retriever(rerank=False).page_evidence == 0.0
+    finally:
+        r.close()
+    with pytest.raises(ConfigError, match="page_evidence"):
+        Retriever(DeepLeakyStore(), lambda text: hash_embed([text])[0], page_evidence=-1)
