@@ -234,12 +234,14 @@ class Rag:
     # -- queries ---------------------------------------------------------------------------
 
     def retriever(self, collection: str | None = None, rerank: bool | None = None, *,
-                  max_hits_per_document: int | None = None, dense_feedback: bool | None = None) -> Retriever:
+                  max_hits_per_document: int | None = None, dense_feedback: bool | None = None,
+                  page_evidence: float | None = None) -> Retriever:
         """A retriever over a collection; models are loaded only when they are used.
 
         Query embeddings and rerank pairs of concurrent queries (the API runs each in its own
-        thread) are batched into shared forward passes. `max_hits_per_document` (0: no cap) and
-        `dense_feedback` override the settings of the same names for this retriever (None: the setting).
+        thread) are batched into shared forward passes. `max_hits_per_document` (0: no cap),
+        `dense_feedback` and `page_evidence` override the settings of the same names for this
+        retriever (None: the setting).
         """
         store = self.collection(collection)  # first: an unknown collection fails before models load
         use_rerank = self.settings.rerank if rerank is None else rerank
@@ -269,7 +271,7 @@ class Rag:
                          max_per_document=max_hits_per_document or None,  # 0: no cap
                          fuse_rerank=self.settings.fuse_rerank, embed_passages=embed_passages,
                          dense_feedback=self.settings.dense_feedback if dense_feedback is None else dense_feedback,
-                         page_evidence=self.settings.page_evidence)
+                         page_evidence=self.settings.page_evidence if page_evidence is None else page_evidence)
 
     @cached_property
     def query_embedder(self) -> BatchedQueryEmbedder:
@@ -314,7 +316,7 @@ class Rag:
               k: int | None = None, generate: bool = True, rerank: bool | None = None,
               mode: str | None = None, history: Sequence[dict[str, str]] = (),
               candidates: int | None = None, *, max_hits_per_document: int | None = None,
-              dense_feedback: bool | None = None) -> Answer:
+              dense_feedback: bool | None = None, page_evidence: float | None = None) -> Answer:
         """Answer a question from what `principal` may read.
 
         Args:
@@ -322,8 +324,8 @@ class Rag:
             history: earlier turns of a conversation ({"role", "content"}), kept in the prompt.
             candidates: hits each retrieval leg hands to the reranker, 1..MAX_CANDIDATES
                 (default: settings.candidates); at least k are fetched either way.
-            max_hits_per_document, dense_feedback: this query's values of the settings of the
-                same names (None: the settings'); see `retriever`.
+            max_hits_per_document, dense_feedback, page_evidence: this query's values of the
+                settings of the same names (None: the settings'); see `retriever`.
 
         Raises:
             ConfigError: empty question, bad k or candidates, or unknown mode.
@@ -332,17 +334,17 @@ class Rag:
         """
         return self._loop.run(self.aquery(question, principal, collection, k, generate, rerank, mode, history,
                                           candidates, max_hits_per_document=max_hits_per_document,
-                                          dense_feedback=dense_feedback))
+                                          dense_feedback=dense_feedback, page_evidence=page_evidence))
 
     async def aquery(self, question: str, principal: Principal, collection: str | None = None,
                      k: int | None = None, generate: bool = True, rerank: bool | None = None,
                      mode: str | None = None, history: Sequence[dict[str, str]] = (),
                      candidates: int | None = None, *, max_hits_per_document: int | None = None,
-                     dense_feedback: bool | None = None) -> Answer:
+                     dense_feedback: bool | None = None, page_evidence: float | None = None) -> Answer:
         """`query` for async callers: retrieval runs in a worker thread, generation is batched."""
         prepared = await self.aprepare(question, principal, collection, k, generate, rerank, mode, history,
                                        candidates=candidates, max_hits_per_document=max_hits_per_document,
-                                       dense_feedback=dense_feedback)
+                                       dense_feedback=dense_feedback, page_evidence=page_evidence)
         async for event in self.answer_events(prepared):
             if isinstance(event, AnswerDone):
                 return event.answer
@@ -372,17 +374,19 @@ class Rag:
                        mode: str | None = None, history: Sequence[dict[str, str]] = (),
                        retrieval_query: str | None = None, candidates: int | None = None, *,
                        max_hits_per_document: int | None = None,
-                       dense_feedback: bool | None = None) -> PreparedAnswer:
+                       dense_feedback: bool | None = None, page_evidence: float | None = None) -> PreparedAnswer:
         """Retrieve (in a worker thread: embedding, search and rerank stay off the event loop)."""
         return await asyncio.to_thread(self.prepare, question, principal, collection, k, generate, rerank,
                                        mode, history, retrieval_query, candidates,
-                                       max_hits_per_document=max_hits_per_document, dense_feedback=dense_feedback)
+                                       max_hits_per_document=max_hits_per_document, dense_feedback=dense_feedback,
+                                       page_evidence=page_evidence)
 
     def prepare(self, question: str, principal: Principal, collection: str | None = None,
                 k: int | None = None, generate: bool = True, rerank: bool | None = None,
                 mode: str | None = None, history: Sequence[dict[str, str]] = (),
                 retrieval_query: str | None = None, candidates: int | None = None, *,
-                max_hits_per_document: int | None = None, dense_feedback: bool | None = None) -> PreparedAnswer:
+                max_hits_per_document: int | None = None, dense_feedback: bool | None = None,
+                page_evidence: float | None = None) -> PreparedAnswer:
         """Retrieve and pack the prompt; the returned PreparedAnswer says what to generate.
 
         Args:
@@ -390,7 +394,7 @@ class Rag:
                 question, or with `history`, a short or referring follow-up together with the
                 user turn before it (`rag.conversation.retrieval_query_for`).
             candidates: hits per retrieval leg for the reranker (see `query`).
-            max_hits_per_document, dense_feedback: see `query`.
+            max_hits_per_document, dense_feedback, page_evidence: see `query`.
         """
         started = time.perf_counter()
         question = (question or "").strip()
@@ -405,7 +409,7 @@ class Rag:
         timings = self._load_retrieval_models(dense=mode != "keyword",
                                               rerank=self.settings.rerank if rerank is None else rerank)
         retriever = self.retriever(collection, rerank, max_hits_per_document=max_hits_per_document,
-                                   dense_feedback=dense_feedback)
+                                   dense_feedback=dense_feedback, page_evidence=page_evidence)
         reranked = retriever.reranker is not None
         if retrieval_query is None and history:
             retrieval_query = retrieval_query_for(question, history)  # as the chat API searches a follow-up

@@ -57,10 +57,13 @@ def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None,
     return kept + skipped[:k - len(kept)]
 
 
-# Measured on the PostgreSQL manual set (docs/benchmarks.md, 2026-12-04): with one hit per page,
-# weights 0.02 to 0.10 all give recall@5 0.905-0.914 by page against 0.896 with none (a page's
-# best chunk alone), and from 0.3 up the long pages win (0.878). 0.05 is the middle of that range.
-PAGE_EVIDENCE = 0.05
+# Off by default. Measured on the PostgreSQL manual set and the sample corpus (docs/benchmarks.md,
+# 2026-12-04): with one hit per page, weights of 0.02 to 0.10 give the manual recall@5 0.905 by
+# page against 0.896 with none, but sink the sample corpus's MRR@5 (hybrid + rerank 0.969 ->
+# 0.880 at 0.05): there most relevant documents are a chunk or two long, and any weight above
+# 1/60 lets a page at places 2 and 3 pass one at place 1. (Counting every other chunk of a page,
+# not the second alone, sinks it further: 0.782.)
+PAGE_EVIDENCE = 0.0
 _RANK_K = 60  # the RRF constant: a position's score is 1 / (_RANK_K + rank), as in the fusion
 
 
@@ -69,15 +72,16 @@ def rank_pages(hits: Sequence[Hit], k: int, evidence: float = PAGE_EVIDENCE,
     """One hit per document in the top `k`: each document's best chunk, documents ordered by evidence.
 
     A chunk at position r (from 1) of `hits` scores 1 / (60 + r), as one vote of reciprocal-rank
-    fusion. A document scores its best chunk's score plus `evidence` times the sum of its other
-    chunks' scores, so that of two pages whose best chunks rank alike, the one that more
-    candidates come from goes first; a small weight keeps it a tie-breaker (its best chunk still
-    decides), since a long page has many middling chunks for any question on its subject.
+    fusion. A document scores its best chunk's score plus `evidence` times its second-best
+    chunk's score, so that of two pages whose best chunks rank alike, the one with a second good
+    candidate goes first. The weight is small and only one more chunk counts: the best chunk
+    still decides, and a long page's many middling chunks cannot add up past a better page.
 
     Args:
         hits: best first, already permission-checked.
         k: how many to return (>= 0).
-        evidence: the weight of a document's other chunks (>= 0; 0: the best chunk alone).
+        evidence: the weight of a document's second-best chunk (>= 0; 0, the default: the best
+            chunk alone).
         family: a key of pages that count as one document (e.g. the release notes of each minor
             version, `retrieval.page_families.page_family`): one hit per family, the best one.
 
@@ -95,13 +99,16 @@ def rank_pages(hits: Sequence[Hit], k: int, evidence: float = PAGE_EVIDENCE,
         raise ValueError(f"evidence must be >= 0, got {evidence}")
     best: dict[str, Hit] = {}
     scores: dict[str, float] = {}
+    seconded: set[str] = set()
     for rank, hit in enumerate(hits, start=1):
         share = 1.0 / (_RANK_K + rank)
-        if hit.document_key in best:
-            scores[hit.document_key] += evidence * share
-        else:
-            best[hit.document_key] = hit
-            scores[hit.document_key] = share
+        key = hit.document_key
+        if key not in best:
+            best[key] = hit
+            scores[key] = share
+        elif key not in seconded:
+            seconded.add(key)
+            scores[key] += evidence * share
     position = {key: i for i, key in enumerate(best)}  # ties: the best chunk's place
     pages = sorted(best.values(), key=lambda h: (-scores[h.document_key], position[h.document_key]))
     ranked = cap_per_document(pages, k, 1, family=family)

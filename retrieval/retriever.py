@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 MODES = ("dense", "keyword", "hybrid")
 # Measured on the PostgreSQL manual set (docs/benchmarks.md): see the settings of the same names.
-MAX_HITS_PER_DOCUMENT = 1
+MAX_HITS_PER_DOCUMENT = 2
 FUSE_RERANK = True
 DENSE_FEEDBACK = True
 # When the capped candidates cannot fill the top k (18 of 20 candidates were release notes of
@@ -144,6 +144,10 @@ class Retriever:
             found = legs[0] if len(legs) == 1 else reciprocal_rank_fusion(legs, limit=deep, ties_by_first=True)
             seen = {h.chunk_id for h in hits}
             more = self._readable_hits([f for f in found if f[0] not in seen], principal)
+            # Only pages that can still take a place are worth scoring: a deeper chunk of a page
+            # (or page family) already at its cap would rank after it and never be used.
+            full_documents, full_families = self._full(hits)
+            more = [h for h in more if h.document_key not in full_documents and page_family(h) not in full_families]
             timings["deepen"] = time.perf_counter() - t
             hits += self._reranked(question, more, rerank, timings)
         # After the post-check: the cap only chooses among hits the principal may read. Pages
@@ -182,7 +186,17 @@ class Retriever:
 
     def _fills(self, hits: list[Hit], k: int) -> bool:
         """Whether `hits` hold k places within the per-document (and page family) cap."""
-        cap = self.max_per_document or k
+        return self._places(hits)[0] >= k
+
+    def _full(self, hits: list[Hit]) -> tuple[set[str], set[str]]:
+        """The documents and page families of `hits` that have used up their cap."""
+        _, per_document, per_family = self._places(hits)
+        cap = self.max_per_document or len(hits) + 1
+        return ({d for d, n in per_document.items() if n >= cap}, {f for f, n in per_family.items() if n >= cap})
+
+    def _places(self, hits: list[Hit]) -> tuple[int, dict[str, int], dict[str, int]]:
+        """How many of `hits` the cap lets in, and the places each document and family took."""
+        cap = self.max_per_document or len(hits) + 1
         per_document: dict[str, int] = {}
         per_family: dict[str, int] = {}
         places = 0
@@ -192,9 +206,7 @@ class Retriever:
                 per_document[hit.document_key] = per_document.get(hit.document_key, 0) + 1
                 per_family[group] = per_family.get(group, 0) + 1
                 places += 1
-                if places >= k:
-                    return True
-        return False
+        return places, per_document, per_family
 
     def _readable_hits(self, found: list[tuple[int, float]], principal: Principal,
                        known: dict[int, Hit] | None = None) -> list[Hit]:

@@ -24,6 +24,7 @@ _ALIASES = {"chunk": "chunk_max_tokens", "chunk_tokens": "chunk_max_tokens", "ov
             "max_per_document": "max_hits_per_document"}
 _BOOLEAN_FIELDS = ("rerank", "chunk_title_context", "dense_feedback")
 _INTEGER_FIELDS = ("k", "candidates", "chunk_max_tokens", "chunk_overlap_tokens", "max_hits_per_document")
+_FLOAT_FIELDS = ("page_evidence",)
 
 _TRUE, _FALSE = {"on", "true", "yes", "1"}, {"off", "false", "no", "0"}
 
@@ -42,6 +43,8 @@ class Config:
             (retrieval.feedback; None: the `dense_feedback` setting).
         max_hits_per_document: at most this many of the k hits from one document, 0 for no cap
             (None: the `max_hits_per_document` setting).
+        page_evidence: with one hit per document, the weight of a document's second-best chunk
+            in its rank, 0..1 (retrieval.diversity.rank_pages; None: the `page_evidence` setting).
         chunk_max_tokens, chunk_overlap_tokens, chunk_title_context, embedder, store: index settings
             (None: the Rag's).
     """
@@ -53,6 +56,7 @@ class Config:
     candidates: int | None = None
     dense_feedback: bool | None = None
     max_hits_per_document: int | None = None
+    page_evidence: float | None = None
     chunk_max_tokens: int | None = None
     chunk_overlap_tokens: int | None = None
     chunk_title_context: bool | None = None
@@ -70,6 +74,10 @@ class Config:
             raise ConfigError(f"dense_feedback must be True or False (on/off), got {self.dense_feedback!r}")
         if self.max_hits_per_document is not None:
             check_max_hits_per_document(self.max_hits_per_document)
+        if self.page_evidence is not None and not (
+                isinstance(self.page_evidence, int | float) and not isinstance(self.page_evidence, bool)
+                and 0 <= self.page_evidence <= 1):
+            raise ConfigError(f"page_evidence must be a number between 0 and 1, got {self.page_evidence!r}")
         if self.chunk_max_tokens is not None and not 16 <= self.chunk_max_tokens <= 512:
             raise ConfigError(f"chunk_max_tokens must be between 16 and 512, got {self.chunk_max_tokens}")
         if self.chunk_overlap_tokens is not None and not 0 <= self.chunk_overlap_tokens <= 255:
@@ -89,6 +97,8 @@ class Config:
         if self.max_hits_per_document is not None:
             parts.append(f"max {self.max_hits_per_document} per document" if self.max_hits_per_document
                          else "no per-document cap")
+        if self.page_evidence is not None:
+            parts.append(f"page evidence {self.page_evidence:g}")
         if self.chunk_max_tokens is not None or self.chunk_overlap_tokens is not None:
             parts.append(f"chunks={self.chunk_max_tokens or '-'}/{self.chunk_overlap_tokens or 0}")
         if self.chunk_title_context is not None:
@@ -140,4 +150,9 @@ def _value(key: str, value: str) -> Any:
             return int(value)
         except ValueError:
             raise ConfigError(f"{key} must be a whole number, got {value!r}") from None
+    if key in _FLOAT_FIELDS:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
     return value

@@ -143,7 +143,7 @@ class Experiment:
         answer = rag.query(q.text, q.principal, collection=name, k=config.k, generate=generate,
                            rerank=config.rerank, mode=config.mode, candidates=candidates,
                            max_hits_per_document=config.max_hits_per_document,
-                           dense_feedback=config.dense_feedback)
+                           dense_feedback=config.dense_feedback, page_evidence=config.page_evidence)
         ranked = [label_of(h.document_key, root) for h in answer.hits]
         relevant = truth.relevant
         grades = {s: q.grade(s) for s in relevant}
@@ -160,6 +160,7 @@ class Experiment:
             and config.mode == "hybrid",
             "max_hits_per_document": (settings.max_hits_per_document if config.max_hits_per_document is None
                                       else config.max_hits_per_document),
+            "page_evidence": settings.page_evidence if config.page_evidence is None else config.page_evidence,
             "chunk_max_tokens": settings.chunk_max_tokens,
             "chunk_overlap_tokens": settings.chunk_overlap_tokens, "embedder": settings.embedder or "(default)",
             "store": settings.store, "relevant": len(relevant), "unreadable_relevant": len(truth.unreadable),

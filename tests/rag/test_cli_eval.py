@@ -111,3 +111,4 @@ def test_retrieval_setting_keys(setup):
     assert bad.returncode == 2 and "max_hits_per_document must be a whole number between 0 and 100" in bad.stderr
     helped = _run(["eval", "--help"], home)
     assert "dense_feedback (on/off" in helped.stdout and "max_hits_per_document" in helped.stdout
+    assert "page_evidence" in helped.stdout

@@ -1,4 +1,4 @@
-"""The dense_feedback and max_hits_per_document keys of an experiment's Config: parsed, validated,
+"""The dense_feedback, max_hits_per_document and page_evidence keys of an experiment's Config: parsed, validated,
 labelled, and applied to that configuration's queries only (no index built, the Rag's settings
 untouched). What reaches the retriever is shown by what it returns and by counted calls, never by time."""
 
@@ -26,6 +26,10 @@ def test_both_keys_parse_and_show_in_the_label():
                                                                                          "hybrid + rerank, k=5")
     # retrieval settings, not index settings: no configuration of them needs its own index
     assert parse_config("dense_feedback=off,max_hits_per_document=3").index_settings() == {}
+    evidence = parse_config("max_hits_per_document=1,page_evidence=0.2")
+    assert evidence.page_evidence == 0.2
+    assert evidence.label == "hybrid + rerank, k=5, max 1 per document, page evidence 0.2"
+    assert evidence.index_settings() == {}
     assert [c.label for c in grid(dense_feedback=[True, False])] == ["hybrid + rerank, k=5, dense feedback on",
                                                                      "hybrid + rerank, k=5, dense feedback off"]
 
@@ -35,6 +39,9 @@ def test_both_keys_parse_and_show_in_the_label():
     ("max_hits_per_document=two", "max_hits_per_document must be a whole number, got 'two'"),
     ("max_hits_per_document=-1", r"max_hits_per_document must be a whole number between 0 and 100 \(0: no cap\)"),
     ("max_hits_per_document=101", "between 0 and 100"),
+    ("page_evidence=some", "page_evidence must be a number, got 'some'"),
+    ("page_evidence=1.5", "page_evidence must be a number between 0 and 1, got 1.5"),
+    ("page_evidence=-0.1", "between 0 and 1"),
 ])
 def test_bad_values_are_refused_with_the_valid_ones(text, message):
     with pytest.raises(ConfigError, match=message):
@@ -42,7 +49,8 @@ def test_bad_values_are_refused_with_the_valid_ones(text, message):
 
 
 @pytest.mark.parametrize("values", [{"max_hits_per_document": True}, {"max_hits_per_document": 1.5},
-                                    {"dense_feedback": "off"}, {"dense_feedback": 0}])
+                                    {"dense_feedback": "off"}, {"dense_feedback": 0}, {"page_evidence": "0.1"},
+                                    {"page_evidence": True}])
 def test_the_api_refuses_values_of_the_wrong_type(values):
     # bool is an int and "off" is truthy in Python: either would quietly mean something else.
     with pytest.raises(ConfigError, match="must be"):
@@ -74,6 +82,23 @@ def test_max_hits_per_document_reaches_the_retriever(lab_rag, lab_copy):
     assert max(max(Counter(r).values()) for r in default["retrieved"]) == 2
     assert max(max(Counter(r).values()) for r in uncapped["retrieved"]) > 2  # 0: no cap at all
     assert (df["leaks"] == 0).all()
+
+
+def test_page_evidence_reaches_the_retriever(lab_rag, lab_copy):
+    questions = read_questions(QUESTIONS)
+    configs = [Config(rerank=False, max_hits_per_document=1, page_evidence=0.0),
+               Config(rerank=False, max_hits_per_document=1, page_evidence=1.0)]
+    with Experiment(lab_rag, root=lab_copy, progress=False) as exp:
+        df = exp.run(questions, configs)
+        assert exp.builds() == []
+    assert lab_rag.settings.page_evidence == 0.0  # the Rag's own setting is untouched
+    by_config = {label: rows for label, rows in df.groupby("config", sort=False)}
+    none, full = (by_config[c.label] for c in configs)
+    assert list(none["page_evidence"].unique()) == [0.0] and list(full["page_evidence"].unique()) == [1.0]
+    # A weight of 1 lets a document's second chunk count as much as its best: some questions'
+    # documents come in another order (or others come in), one a document either way.
+    assert any(a != b for a, b in zip(none["retrieved"], full["retrieved"], strict=True))
+    assert not any(_repeats(r) for r in full["retrieved"]) and (df["leaks"] == 0).all()
 
 
 @pytest.fixture

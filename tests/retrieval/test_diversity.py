@@ -142,17 +142,21 @@ def titled(doc: str, i: int, title: str | None = None) -> Hit:
                text=f"{doc} {i}", score=0.0, title=title)
 
 
-def test_rank_pages_orders_documents_by_best_chunk_plus_weighted_others() -> None:
+def test_rank_pages_orders_documents_by_best_chunk_plus_weighted_second() -> None:
     # a0 at rank 1 scores 1/61 = 0.016393; b's best at rank 2 scores 1/62 = 0.016129, and its
-    # other chunks at ranks 3 and 4 add 0.05 * (1/63 + 1/64) = 0.001575: b = 0.017704 > a.
+    # second at rank 3 adds 0.05 / 63 = 0.000794: b = 0.016923 > a. b2 at rank 4 adds nothing.
     hits = [titled("a", 0), titled("b", 0), titled("b", 1), titled("b", 2), titled("c", 0)]
     assert names(rank_pages(hits, 3, evidence=0.05)) == ["b0", "a0", "c0"]
-    # Without the evidence, the best chunks alone decide. At 0.01: 0.016129 + 0.000315 = 0.016444
-    # > 0.016393, b still wins by a hair.
+    # Without the evidence, the best chunks alone decide.
     assert names(rank_pages(hits, 3, evidence=0.0)) == ["a0", "b0", "c0"]
-    assert names(rank_pages(hits, 3, evidence=0.01)) == ["b0", "a0", "c0"]
-    # 0.005: 0.016129 + 0.0001575 = 0.0162865 < 0.016393: a first.
-    assert names(rank_pages(hits, 3, evidence=0.005)) == ["a0", "b0", "c0"]
+    # 0.02: 0.016129 + 0.000317 = 0.016446 > 0.016393, b first by a hair; 0.01: 0.016288 < a.
+    assert names(rank_pages(hits, 3, evidence=0.02)) == ["b0", "a0", "c0"]
+    assert names(rank_pages(hits, 3, evidence=0.01)) == ["a0", "b0", "c0"]
+    # Only the second-best chunk counts. "long" from rank 6 on: 1/66 + 0.05/67 = 0.015898 passes
+    # c0 (1/63 = 0.015873) but not b0 (1/62); its other ten chunks (a sum of 0.0076 more at 0.05)
+    # would have put it first.
+    long_page = [titled(d, 0) for d in "abcde"] + [titled("long", i) for i in range(12)]
+    assert names(rank_pages(long_page, 4, evidence=0.05)) == ["a0", "b0", "long0", "c0"]
     assert rank_pages(hits, 0) == []
     with pytest.raises(ValueError, match="evidence"):
         rank_pages(hits, 3, evidence=-0.1)
@@ -191,7 +195,7 @@ class DeepLeakyStore:
     """Ignores the ACL filter; records how deep each leg was asked to search."""
 
     name = "deep-leaky"
-    order = [("a", i) for i in range(4)] + [("f", 0), ("f", 1), ("b", 0), ("c", 0)]
+    order = [("a", i) for i in range(4)] + [("f", 0), ("f", 1), ("b", 0), ("a", 4), ("c", 0)]
     acl = {"a": frozenset({"public"}), "f": frozenset({"group:secret"}), "b": frozenset({"public"}),
            "c": frozenset({"public"})}
 
@@ -226,7 +230,8 @@ def test_the_deeper_search_is_post_checked_and_reranked_without_forbidden_hits(r
     assert store.asked == [4, 12]  # the first fetch, then DEEPEN (3) times deeper
     assert [h.document_key for h in hits][0] == "a" and sorted(h.document_key for h in hits) == ["a", "b", "c"]
     if rerank:
-        assert set(reranker.seen) == {6, 7}  # the deeper pass scores its new readable hits only
+        # The deeper pass scores only new readable pages: not "f" (forbidden), not a4 ("a" is full).
+        assert set(reranker.seen) == {6, 8}
 
 
 def test_no_deeper_search_when_the_legs_have_nothing_more() -> None:
@@ -247,13 +252,13 @@ def test_default_cap_and_page_evidence_reach_the_retriever(tmp_path) -> None:
     try:
         r.ingest([docs], progress=False)
         retriever = r.retriever(rerank=False)
-        assert (retriever.max_per_document, retriever.page_evidence) == (1, PAGE_EVIDENCE)
+        assert (retriever.max_per_document, retriever.page_evidence) == (2, PAGE_EVIDENCE)
     finally:
         r.close()
-    r = Rag(load_settings(home=tmp_path / "home2", store="memory", page_evidence=0.0))
+    r = Rag(load_settings(home=tmp_path / "home2", store="memory", page_evidence=0.05))
     try:
         r.ingest([docs], progress=False)
-        assert r.retriever(rerank=False).page_evidence == 0.0
+        assert r.retriever(rerank=False).page_evidence == 0.05
     finally:
         r.close()
     with pytest.raises(ConfigError, match="page_evidence"):
