@@ -191,7 +191,7 @@ def test_a_retriever_searches_deeper_when_one_page_holds_every_candidate(store) 
         assert keys.count("long") == 2 and len(keys) == 3 and set(keys) - {"long"} <= {"faq", "short"}, mode
 
 
-class DeepLeakyStore:
+class DeepLeakyStore(RepeatingLeakyStore):
     """Ignores the ACL filter; records how deep each leg was asked to search."""
 
     name = "deep-leaky"
@@ -203,22 +203,9 @@ class DeepLeakyStore:
         self.asked: list[int] = []
         self.size = len(self.order) if size is None else size
 
-    def refresh(self) -> bool:
-        return False
-
     def search(self, query, k, tokens, exact=False):
         self.asked.append(k)
         return [(i, 1.0 - i / 10) for i in range(self.size)][:k]
-
-    def keyword_search(self, text, k, tokens):
-        return self.search(None, k, tokens)
-
-    def chunk_records(self, ids):
-        out = {}
-        for i in ids:
-            doc, index = self.order[i]
-            out[i] = ChunkRecord(i, doc, doc, None, index, f"text {doc}{index}", None, self.acl[doc])
-        return out
 
 
 @pytest.mark.parametrize("rerank", [False, True])
