@@ -8,6 +8,7 @@ never bring in a chunk the principal may not read.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from rag.types import Hit
@@ -37,24 +38,34 @@ def cap_per_document(hits: Sequence[Hit], k: int, max_per_document: int | None,
         return list(hits[:k])
     if max_per_document < 1:
         raise ValueError(f"max_per_document must be >= 1 or None, got {max_per_document}")
+    kept, skipped = split_by_cap(hits, max_per_document, family)
+    kept = kept[:k]
+    # Fillers go after every hit within the cap: another page beats a document's third chunk.
+    return kept + skipped[:k - len(kept)]
+
+
+def split_by_cap(hits: Sequence[Hit], max_per_document: int,
+                 family: Callable[[Hit], str] | None = None) -> tuple[list[Hit], list[Hit]]:
+    """`hits` (best first) split into those within the cap and those past it, each in order.
+
+    A hit is within the cap while its document, and its family when `family` is given, has
+    taken fewer than `max_per_document` places before it.
+    """
     kept: list[Hit] = []
     skipped: list[Hit] = []
-    per_document: dict[str, int] = {}
-    per_family: dict[str, int] = {}
+    per_document: Counter[str] = Counter()
+    per_family: Counter[str] = Counter()
     for hit in hits:
-        if len(kept) == k:
-            break
-        taken = per_document.get(hit.document_key, 0)
         group = family(hit) if family is not None else None
-        if taken < max_per_document and (group is None or per_family.get(group, 0) < max_per_document):
-            per_document[hit.document_key] = taken + 1
+        if per_document[hit.document_key] < max_per_document and (
+                group is None or per_family[group] < max_per_document):
+            per_document[hit.document_key] += 1
             if group is not None:
-                per_family[group] = per_family.get(group, 0) + 1
+                per_family[group] += 1
             kept.append(hit)
         else:
             skipped.append(hit)
-    # Fillers go after every hit within the cap: another page beats a document's third chunk.
-    return kept + skipped[:k - len(kept)]
+    return kept, skipped
 
 
 # Off by default. Measured on the PostgreSQL manual set and the sample corpus (docs/benchmarks.md,
@@ -109,8 +120,8 @@ def rank_pages(hits: Sequence[Hit], k: int, evidence: float = PAGE_EVIDENCE,
         elif key not in seconded:
             seconded.add(key)
             scores[key] += evidence * share
-    position = {key: i for i, key in enumerate(best)}  # ties: the best chunk's place
-    pages = sorted(best.values(), key=lambda h: (-scores[h.document_key], position[h.document_key]))
+    # A stable sort of documents in the order of their best chunks: ties keep that order.
+    pages = sorted(best.values(), key=lambda h: -scores[h.document_key])
     ranked = cap_per_document(pages, k, 1, family=family)
     if len(ranked) < k:
         taken = {id(h) for h in ranked}

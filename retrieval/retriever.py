@@ -11,6 +11,7 @@ again deeper for more (`DEEPEN`).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from permissions.models import Principal
 from permissions.policy import store_filter
 from rag.errors import ConfigError
 from rag.types import Hit
-from retrieval.diversity import PAGE_EVIDENCE, cap_per_document, rank_pages
+from retrieval.diversity import PAGE_EVIDENCE, cap_per_document, rank_pages, split_by_cap
 from retrieval.feedback import FEEDBACK_HITS, feedback_query
 from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 from retrieval.page_families import page_family
@@ -66,7 +67,7 @@ class Retriever:
         dense_feedback: in hybrid mode, fuse a third leg: a dense search from the query moved
             toward the first pass's best post-checked hits (retrieval.feedback).
         page_evidence: with a cap of 1, documents are ordered by their best chunk plus this
-            weight times their other candidates' shares (retrieval.diversity.rank_pages).
+            weight times their second-best chunk's share (retrieval.diversity.rank_pages).
     """
 
     def __init__(self, store: CollectionStore, embed_query: Callable[[str], np.ndarray],
@@ -135,7 +136,8 @@ class Retriever:
         # A leg that returned fewer than it was asked for has nothing more to give.
         more_exist = any(len(leg) >= fetch for leg in legs)
         hits = self._reranked(question, hits, rerank, timings)
-        if capped and hits and more_exist and not self._fills(hits, k):
+        kept = split_by_cap(hits, self.max_per_document, page_family)[0] if capped and more_exist else None
+        if kept is not None and len(kept) < k and hits:
             # Searched deeper with the same legs; the new hits go after every first one, so the
             # deeper search only adds pages, never reorders those already found.
             t = time.perf_counter()
@@ -146,8 +148,10 @@ class Retriever:
             more = self._readable_hits([f for f in found if f[0] not in seen], principal)
             # Only pages that can still take a place are worth scoring: a deeper chunk of a page
             # (or page family) already at its cap would rank after it and never be used.
-            full_documents, full_families = self._full(hits)
-            more = [h for h in more if h.document_key not in full_documents and page_family(h) not in full_families]
+            per_document = Counter(h.document_key for h in kept)
+            per_family = Counter(page_family(h) for h in kept)
+            more = [h for h in more if per_document[h.document_key] < self.max_per_document
+                    and per_family[page_family(h)] < self.max_per_document]
             timings["deepen"] = time.perf_counter() - t
             hits += self._reranked(question, more, rerank, timings)
         # After the post-check: the cap only chooses among hits the principal may read. Pages
@@ -183,30 +187,6 @@ class Retriever:
         reranked = self.reranker.rerank(question, hits)
         timings["rerank"] = timings.get("rerank", 0.0) + time.perf_counter() - t
         return fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
-
-    def _fills(self, hits: list[Hit], k: int) -> bool:
-        """Whether `hits` hold k places within the per-document (and page family) cap."""
-        return self._places(hits)[0] >= k
-
-    def _full(self, hits: list[Hit]) -> tuple[set[str], set[str]]:
-        """The documents and page families of `hits` that have used up their cap."""
-        _, per_document, per_family = self._places(hits)
-        cap = self.max_per_document or len(hits) + 1
-        return ({d for d, n in per_document.items() if n >= cap}, {f for f, n in per_family.items() if n >= cap})
-
-    def _places(self, hits: list[Hit]) -> tuple[int, dict[str, int], dict[str, int]]:
-        """How many of `hits` the cap lets in, and the places each document and family took."""
-        cap = self.max_per_document or len(hits) + 1
-        per_document: dict[str, int] = {}
-        per_family: dict[str, int] = {}
-        places = 0
-        for hit in hits:
-            group = page_family(hit)
-            if per_document.get(hit.document_key, 0) < cap and per_family.get(group, 0) < cap:
-                per_document[hit.document_key] = per_document.get(hit.document_key, 0) + 1
-                per_family[group] = per_family.get(group, 0) + 1
-                places += 1
-        return places, per_document, per_family
 
     def _readable_hits(self, found: list[tuple[int, float]], principal: Principal,
                        known: dict[int, Hit] | None = None) -> list[Hit]:
