@@ -40,6 +40,7 @@ from rag.source_order import order_sources
 from rag.types import Answer, Hit
 from retrieval.records import BuildSpec
 from retrieval.retriever import Retriever, check_mode
+from retrieval.second_chunks import with_second_chunks
 from retrieval.stores import CollectionStores
 from retrieval.stores.embedded.catalog import Catalog
 
@@ -429,6 +430,9 @@ class Rag:
             # Nothing the user may read is about this: say so rather than let a model guess.
             answer.text = NO_ANSWER
             return PreparedAnswer(answer, None, started)
+        # With one hit per page, each source is read with its page's next-best candidate chunk
+        # (retrieval.second_chunks): one citation, the two chunks that most often hold the answer.
+        relevant = with_second_chunks(relevant, result.seconds)
         if self.answer_mode == "extract":
             return self._prepare_extract(answer, relevant, result.hits, reranked, retrieval_query, started)
         t = time.perf_counter()

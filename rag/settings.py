@@ -94,13 +94,14 @@ class Settings(BaseSettings):
     rerank: bool = True
     # At most this many of the top_k sources from one document (0: no cap), filled from the
     # next candidates (searched deeper when those come from too few documents); and whether the
-    # reranker's order is fused (RRF) with the retrieval order instead of replacing it. A cap of
-    # 1 gives the most distinct pages (recall@5 by page 0.896 against 0.869 on the PostgreSQL
-    # manual) but the extractive answers find fewer expected facts (sample set 23 of 32 against
-    # 25): a page's second chunk often holds the sentence. With a cap of 1, documents are ordered
-    # by their best chunk plus `page_evidence` times their second-best chunk's share. Measured
-    # on the PostgreSQL manual set and the sample corpus (docs/benchmarks.md).
-    max_hits_per_document: int = Field(default=2, ge=0, le=MAX_HITS_PER_DOCUMENT)
+    # reranker's order is fused (RRF) with the retrieval order instead of replacing it. With the
+    # default of 1, pages are ranked by their best chunk in each order (plus `page_evidence`
+    # times their second-best chunk's share), and the answer reads each source page's next-best
+    # candidate chunk with it when that chunk ranks above the weakest source shown
+    # (retrieval/second_chunks.py). Measured on the PostgreSQL manual set (recall@5 by page
+    # 0.905 against 0.869 with 2; extractive answers 15 of 64 expected facts against 13) and the
+    # sample corpus (recall@5 0.992 against 0.971; 24 of 32 facts against 25), docs/benchmarks.md.
+    max_hits_per_document: int = Field(default=1, ge=0, le=MAX_HITS_PER_DOCUMENT)
     page_evidence: float = Field(default=0.0, ge=0.0, le=1.0)
     fuse_rerank: bool = True
     # Hybrid mode only: also fuse a dense search from the question's vector moved toward the

@@ -78,18 +78,23 @@ PAGE_EVIDENCE = 0.0
 _RANK_K = 60  # the RRF constant: a position's score is 1 / (_RANK_K + rank), as in the fusion
 
 
-def rank_pages(hits: Sequence[Hit], k: int, evidence: float = PAGE_EVIDENCE,
+def rank_pages(orders: Sequence[Sequence[Hit]], k: int, evidence: float = PAGE_EVIDENCE,
                family: Callable[[Hit], str] | None = None) -> list[Hit]:
-    """One hit per document in the top `k`: each document's best chunk, documents ordered by evidence.
+    """One hit per document in the top `k`: documents ordered by their chunks' places in `orders`.
 
-    A chunk at position r (from 1) of `hits` scores 1 / (60 + r), as one vote of reciprocal-rank
-    fusion. A document scores its best chunk's score plus `evidence` times its second-best
-    chunk's score, so that of two pages whose best chunks rank alike, the one with a second good
-    candidate goes first. The weight is small and only one more chunk counts: the best chunk
-    still decides, and a long page's many middling chunks cannot add up past a better page.
+    Each order is one vote of reciprocal-rank fusion over documents: in it, a chunk at position
+    r (from 1) scores 1 / (60 + r), and a document scores its best chunk's score plus `evidence`
+    times its second-best chunk's score; a document's votes add up over the orders. Pages are
+    thus fused by their best chunk in each order (the retrieval order's and the reranker's),
+    not by one chunk's fused place: a page whose answering chunk the reranker puts first while
+    retrieval found another of its chunks first keeps both votes. The evidence weight is small
+    and only one more chunk counts, so a long page's many middling chunks cannot add up past a
+    better page.
 
     Args:
-        hits: best first, already permission-checked.
+        orders: rankings of the same hits (by chunk_id), best first, already permission-checked.
+            The first one's hits are returned (the reranker's, carrying its scores); the
+            others only vote.
         k: how many to return (>= 0).
         evidence: the weight of a document's second-best chunk (>= 0; 0, the default: the best
             chunk alone).
@@ -97,33 +102,41 @@ def rank_pages(hits: Sequence[Hit], k: int, evidence: float = PAGE_EVIDENCE,
             version, `retrieval.page_families.page_family`): one hit per family, the best one.
 
     Returns:
-        At most `k` hits: one per document (and family), each document's best-placed chunk;
-        when there are fewer documents than `k`, the rest of the places are filled with the
-        remaining hits in their order (another page's chunk beats none).
+        At most `k` hits: one per document (and family), each document's best chunk in the
+        first order; when there are fewer documents than `k`, the rest of the places are filled
+        with the first order's remaining hits (another page's chunk beats none).
 
     Raises:
-        ValueError: k < 0 or evidence < 0.
+        ValueError: k < 0, evidence < 0, or no orders.
     """
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     if evidence < 0:
         raise ValueError(f"evidence must be >= 0, got {evidence}")
+    if not orders:
+        raise ValueError("rank_pages needs at least one order")
     best: dict[str, Hit] = {}
-    scores: dict[str, float] = {}
-    seconded: set[str] = set()
-    for rank, hit in enumerate(hits, start=1):
-        share = 1.0 / (_RANK_K + rank)
-        key = hit.document_key
-        if key not in best:
-            best[key] = hit
-            scores[key] = share
-        elif key not in seconded:
-            seconded.add(key)
-            scores[key] += evidence * share
-    # A stable sort of documents in the order of their best chunks: ties keep that order.
+    for hit in orders[0]:
+        best.setdefault(hit.document_key, hit)
+    scores: dict[str, float] = dict.fromkeys(best, 0.0)
+    for order in orders:
+        seen: set[str] = set()
+        seconded: set[str] = set()
+        for rank, hit in enumerate(order, start=1):
+            key = hit.document_key
+            if key not in scores:
+                continue  # only the first order's documents are ranked
+            share = 1.0 / (_RANK_K + rank)
+            if key not in seen:
+                seen.add(key)
+                scores[key] += share
+            elif key not in seconded:
+                seconded.add(key)
+                scores[key] += evidence * share
+    # A stable sort of documents in the first order's order: ties keep it.
     pages = sorted(best.values(), key=lambda h: -scores[h.document_key])
     ranked = cap_per_document(pages, k, 1, family=family)
     if len(ranked) < k:
         taken = {id(h) for h in ranked}
-        ranked += [h for h in hits if id(h) not in taken][:k - len(ranked)]
+        ranked += [h for h in orders[0] if id(h) not in taken][:k - len(ranked)]
     return ranked

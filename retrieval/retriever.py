@@ -1,11 +1,14 @@
 """Permission-aware retrieval: a dense leg, a keyword leg, or both fused, then the reranker.
 
 Both legs search only what the principal may read (the filter runs inside each store's
-query), hits are post-checked against their stored ACL, and only then reranked (the
-reranker's order fused with the retrieval order) and capped per document. In hybrid mode a
-third, dense feedback leg (retrieval.feedback) starts from the best post-checked hits. When the
-candidates come from too few documents to fill the top k under the cap, the legs are searched
-again deeper for more (`DEEPEN`).
+query), hits are post-checked against their stored ACL, and only then reranked and capped per
+document. With one hit per document (the default), pages are fused, each by its best chunk in
+the retrieval order and in the reranker's (retrieval.diversity.rank_pages), and each top page
+names its next-best candidate chunk for the answer to read with it (retrieval.second_chunks);
+with a larger cap, chunks are fused (the reranker's order with the retrieval order) and capped.
+In hybrid mode a third, dense feedback leg (retrieval.feedback) starts from the best
+post-checked hits. When the candidates come from too few documents to fill the top k under the
+cap, the legs are searched again deeper for more (`DEEPEN`).
 """
 
 from __future__ import annotations
@@ -26,19 +29,21 @@ from retrieval.diversity import PAGE_EVIDENCE, cap_per_document, rank_pages, spl
 from retrieval.feedback import FEEDBACK_HITS, feedback_query
 from retrieval.fusion import fuse_reranked, reciprocal_rank_fusion
 from retrieval.page_families import page_family
+from retrieval.second_chunks import second_chunks
 
 if TYPE_CHECKING:
     from retrieval.base import CollectionStore, Reranker
 
 MODES = ("dense", "keyword", "hybrid")
 # Measured on the PostgreSQL manual set (docs/benchmarks.md): see the settings of the same names.
-MAX_HITS_PER_DOCUMENT = 2
+MAX_HITS_PER_DOCUMENT = 1
 FUSE_RERANK = True
 DENSE_FEEDBACK = True
 # When the capped candidates cannot fill the top k (18 of 20 candidates were release notes of
 # one family for "upgrade from 14 to 15 without dumping"), each leg is searched again this many
-# times deeper and the new hits are ranked after the first ones, instead of filling the places
-# with the capped pages' further chunks. 2x to 5x all measured alike on the manual set.
+# times deeper instead of filling the places with the capped pages' further chunks. In chunk
+# order (a cap above 1) the new hits rank after the first ones; pages (a cap of 1) are fused
+# over both passes. 2x to 5x all measured alike on the manual set.
 DEEPEN = 3
 
 
@@ -46,6 +51,9 @@ DEEPEN = 3
 class RetrievalResult:
     hits: list[Hit]
     timings: dict[str, float] = field(default_factory=dict)
+    # With one hit per page: each hit's page's next-best candidate chunk, by the hit's chunk_id,
+    # for the answer stage to read with it (retrieval.second_chunks).
+    seconds: dict[int, Hit] = field(default_factory=dict)
 
 
 def check_mode(mode: str) -> str:
@@ -135,11 +143,12 @@ class Retriever:
 
         # A leg that returned fewer than it was asked for has nothing more to give.
         more_exist = any(len(leg) >= fetch for leg in legs)
-        hits = self._reranked(question, hits, rerank, timings)
-        kept = split_by_cap(hits, self.max_per_document, page_family)[0] if capped and more_exist else None
+        scored = self._scored(question, hits, rerank, timings)
+        ordered = self._chunk_order(hits, scored)
+        kept = split_by_cap(ordered, self.max_per_document, page_family)[0] if capped and more_exist else None
         if kept is not None and len(kept) < k and hits:
-            # Searched deeper with the same legs; the new hits go after every first one, so the
-            # deeper search only adds pages, never reorders those already found.
+            # Searched deeper with the same legs; in chunk order the new hits go after every
+            # first one, so the deeper search only adds pages, never reorders those already found.
             t = time.perf_counter()
             deep = fetch * DEEPEN
             legs = self._legs(question, query, feedback, mode, deep, tokens, {})
@@ -153,13 +162,24 @@ class Retriever:
             more = [h for h in more if per_document[h.document_key] < self.max_per_document
                     and per_family[page_family(h)] < self.max_per_document]
             timings["deepen"] = time.perf_counter() - t
-            hits += self._reranked(question, more, rerank, timings)
+            more_scored = self._scored(question, more, rerank, timings)
+            ordered += self._chunk_order(more, more_scored)
+            hits += more
+            if scored is not None and more_scored is not None:
+                # One cross-encoder, one question: the scores of both passes compare directly.
+                scored = sorted(scored + more_scored, key=lambda h: -h.score)  # stable
         # After the post-check: the cap only chooses among hits the principal may read. Pages
         # that differ only in their numbers (release notes) share one cap (retrieval.page_families).
         if self.max_per_document == 1:
-            top = rank_pages(hits, k, self.page_evidence, family=page_family)
-        else:
-            top = cap_per_document(hits, k, self.max_per_document, family=page_family)
+            # Pages, not chunks, are fused: each page by its best chunk in the reranker's order
+            # and in the retrieval order (or in the one order there is).
+            if scored is None:
+                orders = [hits]
+            else:
+                orders = [scored, hits] if self.fuse_rerank else [scored]
+            top = rank_pages(orders, k, self.page_evidence, family=page_family)
+            return RetrievalResult(hits=top, timings=timings, seconds=second_chunks(top, orders[0]))
+        top = cap_per_document(ordered, k, self.max_per_document, family=page_family)
         return RetrievalResult(hits=top, timings=timings)
 
     def _legs(self, question: str, query: np.ndarray | None, feedback: np.ndarray | None, mode: str,
@@ -178,15 +198,21 @@ class Retriever:
             legs.append(self.store.search(feedback, n, tokens))
         return legs
 
-    def _reranked(self, question: str, hits: list[Hit], rerank: bool, timings: dict[str, float]) -> list[Hit]:
-        """`hits` in the reranker's order fused with theirs (or its own), when a reranker runs."""
+    def _scored(self, question: str, hits: list[Hit], rerank: bool, timings: dict[str, float]) -> list[Hit] | None:
+        """`hits` in the reranker's order with its scores, or None when no reranker runs."""
         if not (rerank and self.reranker is not None and hits):
-            return hits
+            return None
         t = time.perf_counter()
         # Every candidate is scored either way; the cap may need ranks past k.
         reranked = self.reranker.rerank(question, hits)
         timings["rerank"] = timings.get("rerank", 0.0) + time.perf_counter() - t
-        return fuse_reranked(hits, reranked) if self.fuse_rerank else reranked
+        return reranked
+
+    def _chunk_order(self, hits: list[Hit], scored: list[Hit] | None) -> list[Hit]:
+        """The chunks best first: the reranker's order fused with retrieval's (or its own), or retrieval's."""
+        if scored is None:
+            return hits
+        return fuse_reranked(hits, scored) if self.fuse_rerank else scored
 
     def _readable_hits(self, found: list[tuple[int, float]], principal: Principal,
                        known: dict[int, Hit] | None = None) -> list[Hit]:

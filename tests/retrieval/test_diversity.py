@@ -6,6 +6,8 @@ hash embedder of the fuzz corpus, so a query sharing a chunk's words ranks it hi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from permissions.models import Principal
@@ -146,22 +148,44 @@ def test_rank_pages_orders_documents_by_best_chunk_plus_weighted_second() -> Non
     # a0 at rank 1 scores 1/61 = 0.016393; b's best at rank 2 scores 1/62 = 0.016129, and its
     # second at rank 3 adds 0.05 / 63 = 0.000794: b = 0.016923 > a. b2 at rank 4 adds nothing.
     hits = [titled("a", 0), titled("b", 0), titled("b", 1), titled("b", 2), titled("c", 0)]
-    assert names(rank_pages(hits, 3, evidence=0.05)) == ["b0", "a0", "c0"]
+    assert names(rank_pages([hits], 3, evidence=0.05)) == ["b0", "a0", "c0"]
     # Without the evidence, the best chunks alone decide.
-    assert names(rank_pages(hits, 3, evidence=0.0)) == ["a0", "b0", "c0"]
+    assert names(rank_pages([hits], 3, evidence=0.0)) == ["a0", "b0", "c0"]
     # 0.02: 0.016129 + 0.000317 = 0.016446 > 0.016393, b first by a hair; 0.01: 0.016288 < a.
-    assert names(rank_pages(hits, 3, evidence=0.02)) == ["b0", "a0", "c0"]
-    assert names(rank_pages(hits, 3, evidence=0.01)) == ["a0", "b0", "c0"]
+    assert names(rank_pages([hits], 3, evidence=0.02)) == ["b0", "a0", "c0"]
+    assert names(rank_pages([hits], 3, evidence=0.01)) == ["a0", "b0", "c0"]
     # Only the second-best chunk counts. "long" from rank 6 on: 1/66 + 0.05/67 = 0.015898 passes
     # c0 (1/63 = 0.015873) but not b0 (1/62); its other ten chunks (a sum of 0.0076 more at 0.05)
     # would have put it first.
     long_page = [titled(d, 0) for d in "abcde"] + [titled("long", i) for i in range(12)]
-    assert names(rank_pages(long_page, 4, evidence=0.05)) == ["a0", "b0", "long0", "c0"]
-    assert rank_pages(hits, 0) == []
+    assert names(rank_pages([long_page], 4, evidence=0.05)) == ["a0", "b0", "long0", "c0"]
+    assert rank_pages([hits], 0) == []
     with pytest.raises(ValueError, match="evidence"):
-        rank_pages(hits, 3, evidence=-0.1)
+        rank_pages([hits], 3, evidence=-0.1)
     with pytest.raises(ValueError, match="k must be"):
-        rank_pages(hits, -1)
+        rank_pages([hits], -1)
+
+
+def test_rank_pages_fuses_pages_by_their_best_chunk_in_each_order() -> None:
+    # Retrieval: x0 y0 y1 z0 w0 x1. Reranker: y1 x1 x0 w0 z0 y0 (its hits carry its scores).
+    retrieved = [titled("x", 0), titled("y", 0), titled("y", 1), titled("z", 0), titled("w", 0), titled("x", 1)]
+    by_id = {h.chunk_id: h for h in retrieved}
+    scores = (("y", 1, 5.0), ("x", 1, 4.0), ("x", 0, 3.0), ("w", 0, 2.0), ("z", 0, 1.0), ("y", 0, 0.5))
+    reranked = [replace(by_id[titled(d, i).chunk_id], score=s) for d, i, s in scores]
+    # Per page, best chunk in each order: x 1/61 + 1/62 = 0.032522; y 1/62 + 1/61 = 0.032522
+    # (a tie: the reranker's order, y first); z 1/64 + 1/65 = 0.031010; w 1/65 + 1/64 = 0.031010
+    # (tie: w, the reranker's).
+    top = rank_pages([reranked, retrieved], 4)
+    assert names(top) == ["y1", "x1", "w0", "z0"]
+    # Each page is shown by its best chunk in the first order, with that order's score.
+    assert [h.score for h in top] == [5.0, 4.0, 2.0, 1.0]
+    # One order alone: the pages of that order, by their best chunk.
+    assert names(rank_pages([retrieved], 4)) == ["x0", "y0", "z0", "w0"]
+    assert names(rank_pages([reranked], 4)) == ["y1", "x1", "w0", "z0"]
+    # A page the first order lacks is not ranked: the other orders only vote.
+    assert names(rank_pages([reranked[:2], retrieved], 3)) == ["y1", "x1"]
+    with pytest.raises(ValueError, match="at least one order"):
+        rank_pages([], 3)
 
 
 def test_rank_pages_takes_one_page_per_family_and_fills_when_documents_run_out() -> None:
@@ -169,10 +193,10 @@ def test_rank_pages_takes_one_page_per_family_and_fills_when_documents_run_out()
 
     notes = [titled("r1", 0, "E.2. Release 15.17"), titled("r2", 0, "E.1. Release 15.18"),
              titled("up", 0, "pg_upgrade"), titled("r1", 1, "E.2. Release 15.17")]
-    assert names(rank_pages(notes, 2, family=page_family)) == ["r10", "up0"]
+    assert names(rank_pages([notes], 2, family=page_family)) == ["r10", "up0"]
     # Three places, two families: the skipped family member, then further chunks, fill the rest.
-    assert names(rank_pages(notes, 3, family=page_family)) == ["r10", "up0", "r20"]
-    assert names(rank_pages(notes, 4, family=page_family)) == ["r10", "up0", "r20", "r11"]
+    assert names(rank_pages([notes], 3, family=page_family)) == ["r10", "up0", "r20"]
+    assert names(rank_pages([notes], 4, family=page_family)) == ["r10", "up0", "r20", "r11"]
 
 
 def test_a_retriever_searches_deeper_when_one_page_holds_every_candidate(store) -> None:
@@ -239,7 +263,7 @@ def test_default_cap_and_page_evidence_reach_the_retriever(tmp_path) -> None:
     try:
         r.ingest([docs], progress=False)
         retriever = r.retriever(rerank=False)
-        assert (retriever.max_per_document, retriever.page_evidence) == (2, PAGE_EVIDENCE)
+        assert (retriever.max_per_document, retriever.page_evidence) == (1, PAGE_EVIDENCE)
     finally:
         r.close()
     r = Rag(load_settings(home=tmp_path / "home2", store="memory", page_evidence=0.05))

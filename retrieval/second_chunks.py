@@ -1,0 +1,68 @@
+"""A source page's second-best chunk, read by the answer stage beside its best one.
+
+With one hit per page (`max_hits_per_document = 1`) the top k holds k pages, which finds the
+right pages more often than two chunks a page (docs/benchmarks.md), but the answer loses the
+second chunk that often holds the sentence to quote: the definition is in one chunk, its value
+in the next. So the retriever also names each top page's next-best candidate chunk, and the
+answer stage reads the two as one source: one citation number, one page.
+
+Only candidates the retriever already post-checked are named, each from the same document as
+the hit it joins, so a joined source holds nothing the asker may not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from rag.types import Hit
+
+
+def second_chunks(top: Sequence[Hit], ranked: Sequence[Hit]) -> dict[int, Hit]:
+    """For each hit of `top`, the next chunk of its document in `ranked`, when that chunk earned it.
+
+    A second chunk joins only if it ranks above the last-placed of the top hits in `ranked`:
+    it is then better than a source the asker is shown anyway, as two hits a page would have
+    let it in on its own. Weaker chunks would only crowd the answer stage's choice.
+
+    Args:
+        top: the hits returned, one per document.
+        ranked: the post-checked candidates best first (the reranker's order when it ran).
+
+    Returns:
+        {chunk_id of a top hit: its document's best other candidate}.
+    """
+    place = {h.chunk_id: i for i, h in enumerate(ranked)}
+    limit = max((place[h.chunk_id] for h in top if h.chunk_id in place), default=-1)
+    wanted = {h.document_key: h.chunk_id for h in top}
+    found: dict[int, Hit] = {}
+    for hit in ranked[:limit]:
+        first = wanted.get(hit.document_key)
+        if first is not None and hit.chunk_id != first and first not in found:
+            found[first] = hit
+    return found
+
+
+def _lead(text: str) -> str:
+    """A chunk's first block: the section's title context when the chunker put one there."""
+    return text.split("\n\n", 1)[0]
+
+
+def joined(hit: Hit, second: Hit) -> Hit:
+    """`hit` whose text is both chunks in document order (the later one's repeated heading dropped).
+
+    The joined hit keeps `hit`'s identity and score (it is cited, ranked and shown as `hit`).
+    """
+    if second.document_key != hit.document_key:
+        raise ValueError(f"a second chunk must come from the same document: {second.document_key!r} "
+                         f"joins {hit.document_key!r}")
+    first, later = (hit, second) if hit.chunk_index <= second.chunk_index else (second, hit)
+    tail = later.text
+    if "\n\n" in tail and _lead(tail) == _lead(first.text):
+        tail = tail.split("\n\n", 1)[1]  # the same section's title context, said once
+    return replace(hit, text=f"{first.text}\n\n{tail}")
+
+
+def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit]) -> list[Hit]:
+    """`hits`, each joined with its second chunk when `seconds` names one."""
+    return [joined(h, seconds[h.chunk_id]) if h.chunk_id in seconds else h for h in hits]
