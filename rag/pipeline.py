@@ -34,7 +34,7 @@ from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, Gene
 from rag.ingest_lock import exclusive_ingest
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
-from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources
+from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources, source_tokens
 from rag.settings import MAX_CANDIDATES, Settings, check_collection_name, check_max_hits_per_document
 from rag.source_order import order_sources
 from rag.types import Answer, Hit
@@ -431,9 +431,10 @@ class Rag:
             answer.text = NO_ANSWER
             return PreparedAnswer(answer, None, started)
         # With one hit per page, each source is read with its page's next-best candidate chunk
-        # (retrieval.second_chunks): one citation, the two chunks that most often hold the answer.
-        relevant = with_second_chunks(relevant, result.seconds)
+        # when that chunk earned it (retrieval.second_chunks): one citation, the two chunks that
+        # most often hold the answer together.
         if self.answer_mode == "extract":
+            relevant = with_second_chunks(relevant, result.seconds)
             return self._prepare_extract(answer, relevant, result.hits, reranked, retrieval_query, started)
         t = time.perf_counter()
         generator = self.generator
@@ -447,6 +448,9 @@ class Rag:
                                      user_salt=self.user_salt(principal))
 
         ranked = select_sources(relevant, generator.count_tokens, self.settings.context_tokens)
+        # Second chunks take only what the sources leave of the budget (as select_sources counts).
+        ranked = with_second_chunks(ranked, result.seconds, lambda h: source_tokens(h, generator.count_tokens),
+                                    self.settings.context_tokens)
         sources = order_sources(ranked, generator, request_for)  # the cached prefix first (rag.source_order)
         answer.citations = citations_for(sources, result.hits, reranked)
         return PreparedAnswer(answer, request_for(sources), started)

@@ -32,13 +32,18 @@ SYSTEM_PROMPT = (
 ANSWER_INSTRUCTION = "Answer in one or two sentences."
 
 
+def source_tokens(hit: Hit, count_tokens: Callable[[str], int]) -> int:
+    """What a source costs of the prompt's budget: its text and its label's few tokens."""
+    return count_tokens(hit.text) + 8
+
+
 def select_sources(hits: Sequence[Hit], count_tokens: Callable[[str], int],
                    budget_tokens: int) -> list[Hit]:
     """The best hits that fit the token budget (at least one, truncated if it must)."""
     chosen: list[Hit] = []
     used = 0
     for hit in hits:
-        cost = count_tokens(hit.text) + 8
+        cost = source_tokens(hit, count_tokens)
         if used + cost > budget_tokens and chosen:
             continue
         chosen.append(hit)

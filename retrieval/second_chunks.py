@@ -12,7 +12,7 @@ the hit it joins, so a joined source holds nothing the asker may not read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from rag.types import Hit
@@ -34,11 +34,16 @@ def second_chunks(top: Sequence[Hit], ranked: Sequence[Hit]) -> dict[int, Hit]:
     """
     place = {h.chunk_id: i for i, h in enumerate(ranked)}
     limit = max((place[h.chunk_id] for h in top if h.chunk_id in place), default=-1)
-    wanted = {h.document_key: h.chunk_id for h in top}
+    # A document's first hit in `top` is its best; a further one (places filled once the
+    # documents ran out) is already shown, so it is not read twice.
+    wanted: dict[str, int] = {}
+    for h in top:
+        wanted.setdefault(h.document_key, h.chunk_id)
+    shown = {h.chunk_id for h in top}
     found: dict[int, Hit] = {}
     for hit in ranked[:limit]:
         first = wanted.get(hit.document_key)
-        if first is not None and hit.chunk_id != first and first not in found:
+        if first is not None and hit.chunk_id not in shown and first not in found:
             found[first] = hit
     return found
 
@@ -63,6 +68,24 @@ def joined(hit: Hit, second: Hit) -> Hit:
     return replace(hit, text=f"{first.text}\n\n{tail}")
 
 
-def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit]) -> list[Hit]:
-    """`hits`, each joined with its second chunk when `seconds` names one."""
-    return [joined(h, seconds[h.chunk_id]) if h.chunk_id in seconds else h for h in hits]
+def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit],
+                       cost: Callable[[Hit], int] | None = None, budget: int | None = None) -> list[Hit]:
+    """`hits`, each joined with its second chunk when `seconds` names one.
+
+    With `cost` and `budget` (a prompt's token budget for its sources), second chunks join in
+    the hits' order only while the whole still fits: every source keeps its place first, and
+    what is left of the budget goes to the best sources' second chunks.
+    """
+    if cost is None or budget is None:
+        return [joined(h, seconds[h.chunk_id]) if h.chunk_id in seconds else h for h in hits]
+    used = sum(cost(h) for h in hits)
+    out = []
+    for hit in hits:
+        if hit.chunk_id in seconds:
+            both = joined(hit, seconds[hit.chunk_id])
+            extra = cost(both) - cost(hit)
+            if used + extra <= budget:
+                used += extra
+                hit = both
+        out.append(hit)
+    return out

@@ -26,6 +26,9 @@ def test_each_top_hit_gets_its_documents_next_candidate() -> None:
     assert second_chunks([chunk("a", 3), chunk("b", 0)], ranked) == {}
     assert second_chunks([chunk("b", 0), chunk("c", 2)], ranked) == {}
     assert second_chunks([], ranked) == {}
+    # With the documents run out, a's a1 fills a place too: it is shown, so it is not read twice.
+    filled = [chunk("a", 3), chunk("a", 1), chunk("b", 0)]
+    assert second_chunks([chunk("a", 3), chunk("b", 0), chunk("a", 1)], filled) == {}
 
 
 def test_joined_reads_both_chunks_in_document_order_with_the_heading_once() -> None:
@@ -68,3 +71,19 @@ def test_the_retriever_names_second_chunks_only_from_post_checked_candidates(rer
 def test_no_second_chunks_with_two_hits_a_page() -> None:
     retriever = Retriever(RepeatingLeakyStore(), lambda q: hash_embed([q])[0], max_per_document=2)
     assert retriever.retrieve("q", Principal("bob"), k=3, candidates=7, rerank=False, mode="dense").seconds == {}
+
+
+def test_second_chunks_join_only_within_the_prompt_budget() -> None:
+    a, b = chunk("a", 0, "a " * 10), chunk("b", 0, "b " * 10)
+    a2, b2 = chunk("a", 1, "x " * 30), chunk("b", 1, "y " * 30)
+    seconds = {a.chunk_id: a2, b.chunk_id: b2}
+
+    def cost(h: Hit) -> int:
+        return len(h.text.split())
+
+    # The sources cost 20 words; each second chunk 30 more: 50 fits one (the better source's), 80 both.
+    assert [len(h.text.split()) for h in with_second_chunks([a, b], seconds, cost, 50)] == [40, 10]
+    assert [len(h.text.split()) for h in with_second_chunks([a, b], seconds, cost, 80)] == [40, 40]
+    assert with_second_chunks([a, b], seconds, cost, 20) == [a, b]  # the sources alone: none joins
+    # Without a budget (the extractive answer scores sentences, not a prompt), every one joins.
+    assert [len(h.text.split()) for h in with_second_chunks([a, b], seconds)] == [40, 40]
