@@ -150,7 +150,8 @@ def citations_for(sources: Sequence[Hit], ranked: Sequence[Hit] = (), reranked: 
     return [
         Citation(number=n, document_key=h.document_key, source=h.source,
                  chunk_index=h.chunk_index, score=h.score, text=h.text,
-                 relevance=relevance(h.score, reranked), rank=rank_of.get(h.chunk_id))
+                 relevance=relevance(h.score, reranked), rank=rank_of.get(h.chunk_id),
+                 joined_chunk_id=h.joined_chunk_id)
         for n, h in enumerate(sources, 1)
     ]
 

@@ -64,6 +64,9 @@ class Hit:
     heading: str | None = None
     title: str | None = None
     acl: frozenset[str] = frozenset()
+    # A source read with its page's second chunk (retrieval.second_chunks): that chunk's id; the
+    # text then holds both chunks, in document order.
+    joined_chunk_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Citation:
     # What people are shown (rag.relevance): a probability of relevance for reranked hits, else None.
     relevance: float | None = None
     rank: int | None = None  # 1 = the best of the retrieved hits (citations are in document order)
+    joined_chunk_id: int | None = None  # the second chunk the text also holds (retrieval.second_chunks)
 
 
 @dataclass

@@ -53,8 +53,19 @@ def _lead(text: str) -> str:
     return text.split("\n\n", 1)[0]
 
 
+def join_texts(first: str, later: str) -> str:
+    """Two chunks of one page as one text, `first` before `later` in the document.
+
+    The later chunk's leading block is dropped when it repeats the first's (the same section's
+    title context, said once).
+    """
+    if "\n\n" in later and _lead(later) == _lead(first):
+        later = later.split("\n\n", 1)[1]
+    return f"{first}\n\n{later}"
+
+
 def joined(hit: Hit, second: Hit) -> Hit:
-    """`hit` whose text is both chunks in document order (the later one's repeated heading dropped).
+    """`hit` whose text is both chunks in document order, naming `second` as its joined chunk.
 
     The joined hit keeps `hit`'s identity and score (it is cited, ranked and shown as `hit`).
     """
@@ -62,10 +73,7 @@ def joined(hit: Hit, second: Hit) -> Hit:
         raise ValueError(f"a second chunk must come from the same document: {second.document_key!r} "
                          f"joins {hit.document_key!r}")
     first, later = (hit, second) if hit.chunk_index <= second.chunk_index else (second, hit)
-    tail = later.text
-    if "\n\n" in tail and _lead(tail) == _lead(first.text):
-        tail = tail.split("\n\n", 1)[1]  # the same section's title context, said once
-    return replace(hit, text=f"{first.text}\n\n{tail}")
+    return replace(hit, text=join_texts(first.text, later.text), joined_chunk_id=second.chunk_id)
 
 
 def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit],

@@ -100,13 +100,13 @@ def test_a_beir_folder(setup, tmp_path):
 def test_retrieval_setting_keys(setup):
     home, root, questions = setup
     out = _run(["eval", "-q", questions, "--root", root, "--config", "mode=hybrid,rerank=off",
-                "--config", "mode=hybrid,rerank=off,dense_feedback=off,max_hits_per_document=1", "--json", "-"], home)
+                "--config", "mode=hybrid,rerank=off,dense_feedback=off,max_hits_per_document=2", "--json", "-"], home)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert [s["config"] for s in report["summary"]] == [
-        "hybrid, k=5", "hybrid, k=5, dense feedback off, max 1 per document"]
+        "hybrid, k=5", "hybrid, k=5, dense feedback off, max 2 per document"]
     settings = {(r["config"], r["dense_feedback"], r["max_hits_per_document"]) for r in report["rows"]}
-    assert settings == {("hybrid, k=5", True, 2), ("hybrid, k=5, dense feedback off, max 1 per document", False, 1)}
+    assert settings == {("hybrid, k=5", True, 1), ("hybrid, k=5, dense feedback off, max 2 per document", False, 2)}
     bad = _run(["eval", "-q", questions, "--root", root, "--config", "max_hits_per_document=-2"], home)
     assert bad.returncode == 2 and "max_hits_per_document must be a whole number between 0 and 100" in bad.stderr
     helped = _run(["eval", "--help"], home)

@@ -64,22 +64,22 @@ def _repeats(retrieved: list[str]) -> bool:
 def test_max_hits_per_document_reaches_the_retriever(lab_rag, lab_copy):
     questions = read_questions(QUESTIONS)
     settings = lab_rag.settings
-    configs = [Config(rerank=False), Config(rerank=False, max_hits_per_document=1),
+    configs = [Config(rerank=False), Config(rerank=False, max_hits_per_document=2),
                Config(rerank=False, max_hits_per_document=0)]
     with Experiment(lab_rag, root=lab_copy, progress=False) as exp:
         df = exp.run(questions, configs)
         assert exp.builds() == []  # a retrieval setting: the ingested collection, nothing built
-    assert lab_rag.settings is settings and settings.max_hits_per_document == 2
+    assert lab_rag.settings is settings and settings.max_hits_per_document == 1
     by_config = {label: rows for label, rows in df.groupby("config", sort=False)}
-    default, one, uncapped = (by_config[c.label] for c in configs)
-    assert list(one["max_hits_per_document"].unique()) == [1] and list(default["max_hits_per_document"]) == [2] * len(
+    default, two, uncapped = (by_config[c.label] for c in configs)
+    assert list(two["max_hits_per_document"].unique()) == [2] and list(default["max_hits_per_document"]) == [1] * len(
         default)
     # The cap only fills from other documents while there are some: every asker in the sample set
-    # reads more than five documents, so with a cap of one no document comes back twice, while
-    # the default cap (two) does let one document take two places.
-    assert not any(_repeats(r) for r in one["retrieved"])
-    assert any(_repeats(r) for r in default["retrieved"])
-    assert max(max(Counter(r).values()) for r in default["retrieved"]) == 2
+    # reads more than five documents, so with the default cap (one) no document comes back twice,
+    # while a cap of two does let one document take two places.
+    assert not any(_repeats(r) for r in default["retrieved"])
+    assert any(_repeats(r) for r in two["retrieved"])
+    assert max(max(Counter(r).values()) for r in two["retrieved"]) == 2
     assert max(max(Counter(r).values()) for r in uncapped["retrieved"]) > 2  # 0: no cap at all
     assert (df["leaks"] == 0).all()
 

@@ -115,6 +115,44 @@ def test_a_user_without_the_group_gets_no_restricted_citation_answer_or_document
         made_up.value.body["message"].replace("imaging-notez", "X")
 
 
+def test_a_joined_citation_url_gives_both_chunks_of_one_readable_document_only(service):
+    """`{id}+{id2}` (a source read with its second chunk) opens only for two chunks of one document the key may read."""
+    citations = _ask(service.client("bob"), RESERVATION_Q).model_extra["citations"]
+
+    def get(user: str, path: str) -> httpx.Response:
+        return httpx.get(f"{service.url}/v1/documents/default/{path}", headers=service.auth(user), timeout=30)
+
+    ids = [int(c["url"].rsplit("/", 1)[1].split("+")[0]) for c in citations]
+    missing = get("bob", "987654321")
+    joined = 0
+    for a in ids:
+        for b in (a - 1, a + 1):
+            r = get("bob", f"{a}+{b}")
+            one, two = get("bob", str(a)), get("bob", str(b))
+            if r.status_code == 200:
+                joined += 1
+                first, later = sorted((one.json(), two.json()), key=lambda d: d["chunk"])
+                body = later["text"].split("\n\n", 1)[-1]
+                assert r.json()["text"].startswith(first["text"]) and r.json()["text"].endswith(body)
+                assert r.json()["id"] == a and r.json()["joined_chunk"] == b
+                assert one.json()["document"] == two.json()["document"] == r.json()["document"]
+            else:
+                # Another document's chunk, or none: the same 404 as an id that does not exist.
+                assert (r.status_code, r.content) == (missing.status_code, missing.content)
+                assert two.status_code == 404 or two.json()["document"] != one.json()["document"]
+    assert joined, "no cited chunk has a neighbour in its document"
+    # Any pair holding bob's imaging chunk is, for dave, unreadable: the same 404 as nothing.
+    imaging = [i for i, c in zip(ids, citations, strict=True) if "/imaging/" in c["source"]]
+    assert imaging
+    for path in (f"{imaging[0]}+{imaging[0] + 1}", f"{imaging[0] - 1}+{imaging[0]}", f"{ids[0]}+{imaging[0]}"):
+        r = get("dave", path)
+        assert (r.status_code, r.content) == (missing.status_code, missing.content), path
+    # Malformed pairs, and a chunk named as its own second chunk, are 404 for anyone.
+    for path in (f"{ids[0]}+{ids[0]}", f"{ids[0]}+1+2", f"{ids[0]}+", f"+{ids[0]}", f"{ids[0]}+x"):
+        r = get("bob", path)
+        assert (r.status_code, r.content) == (missing.status_code, missing.content), path
+
+
 def test_follow_up_question_is_retrieved_with_the_conversation(service):
     messages = [
         {"role": "user", "content": RESERVATION_Q},

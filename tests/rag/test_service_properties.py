@@ -364,6 +364,19 @@ class ServiceMachine(RuleBasedStateMachine):
             else:
                 # The same answer as for an id that does not exist: nothing says it is there.
                 assert (r.status_code, r.content) == (missing.status_code, missing.content), (user, text)
+        # A joined citation ("{id}+{id2}", a source read with its second chunk): both chunks of
+        # one document, both readable, or the same 404. Neighbouring ids cross documents too.
+        chunks = sorted(self.svc.chunk_ids(self.collection).items())
+        for (a, text_a), (b, text_b) in zip(chunks, chunks[1:], strict=False):
+            r = self.http.get(f"/v1/documents/{self.collection}/{a}+{b}", headers=headers)
+            if r.status_code == 200:
+                one, two = (self.http.get(f"/v1/documents/{self.collection}/{i}", headers=headers).json()
+                            for i in (a, b))
+                assert one["document"] == two["document"] == r.json()["document"], (user, a, b)
+                assert all(t.split("\n\n", 1)[-1] in r.json()["text"] for t in (text_a, text_b))
+                assert any(m in text_a for m in allowed) and any(m in text_b for m in allowed)
+            else:
+                assert (r.status_code, r.content) == (missing.status_code, missing.content), (user, a, b)
 
     def _check_models(self, ref, principal, user) -> None:
         r = self.http.get("/v1/models", headers={"Authorization": f"Bearer {self.keys[user]}"})

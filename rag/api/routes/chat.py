@@ -87,8 +87,10 @@ async def chat_completions(request: Request, rag: RagDep, caller: AuditedCallerD
 
 
 def _document_url(request: Request, collection: str):
+    """chunk id (and a joined second chunk's) -> the URL that gives exactly the cited text."""
     base = str(request.base_url).rstrip("/")
-    return lambda chunk_id: f"{base}/v1/documents/{collection}/{chunk_id}"
+    return lambda chunk_id, joined=None: (f"{base}/v1/documents/{collection}/{chunk_id}"
+                                          + (f"+{joined}" if joined is not None else ""))
 
 
 class _Reply:
@@ -109,14 +111,15 @@ class _Reply:
         for c, hit in zip(answer.citations, _hits_by_citation(answer), strict=True):
             start, end = spans.get(c.number, (0, 0))
             out.append({"type": "url_citation", "url_citation": {
-                "url": self.url_for(hit.chunk_id), "title": f"[{c.number}] {_title(hit)}",
+                "url": self.url_for(hit.chunk_id, c.joined_chunk_id), "title": f"[{c.number}] {_title(hit)}",
                 "start_index": start, "end_index": end, "number": c.number, "text": c.text,
                 "source": shown_source(c.source), "document": shown_source(c.source),
                 "chunk": c.chunk_index, "relevance": c.relevance}})
         return out
 
     def citations(self, answer: Answer) -> list[dict]:
-        return [{"number": c.number, "title": _title(h), "url": self.url_for(h.chunk_id), "text": c.text,
+        return [{"number": c.number, "title": _title(h), "url": self.url_for(h.chunk_id, c.joined_chunk_id),
+                 "text": c.text,
                  "source": shown_source(c.source), "document": shown_source(c.source), "chunk": c.chunk_index,
                  "score": c.score, "relevance": c.relevance}
                 for c, h in zip(answer.citations, _hits_by_citation(answer), strict=True)]
