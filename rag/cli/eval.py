@@ -17,10 +17,11 @@ _CONFIG_HELP = (
     "a configuration to run, as key=value pairs separated by commas (repeatable; default: the "
     "settings' hybrid + rerank). Keys: mode (dense, keyword, hybrid), rerank (on/off), k, candidates, "
     "dense_feedback (on/off: hybrid's third, pseudo-relevance-feedback leg), max_hits_per_document (at most N of "
-    "the k hits from one document; 0: no cap), page_evidence (0..1: with one hit a document, the weight of a "
+    "the k hits from one document, default 1, whose sources are then read with their second chunk; 0: no "
+    "cap), page_evidence (0..1: with one hit a document, the weight of a "
     "document's second-best chunk in its rank), chunk (max tokens), overlap, title_context (on/off), embedder, "
     "store, name. E.g. --config mode=dense,rerank=off --config mode=hybrid,k=10 --config "
-    "mode=hybrid,dense_feedback=off,max_hits_per_document=1 --config chunk=100,overlap=16. Unset keys take the "
+    "mode=hybrid,dense_feedback=off,max_hits_per_document=2 --config chunk=100,overlap=16. Unset keys take the "
     "settings' values. Retrieval keys apply per query; chunking, embedder and store variants are built once "
     "in HOME/experiments and reused")
 
