@@ -163,20 +163,33 @@ def _cells(line: str) -> list[str]:
     return [" ".join(c.split()) for c in line.strip().strip("|").split("|")]
 
 
-def candidate_sentences(sources: Sequence[Hit]) -> list[Sentence]:
+def candidate_sentences(sources: Sequence[Hit], parts: Sequence[Sequence[Hit]] | None = None) -> list[Sentence]:
     """Every distinct sentence (or table row) of the sources, with the number of the first source it occurs in.
 
-    Overlapping chunks repeat sentences; each is scored (and quoted) once.
+    Overlapping chunks repeat sentences; each is scored (and quoted) once. `parts`: the chunks
+    each source is read from, when a source joins two (retrieval.second_chunks); each chunk's
+    table rows are then led by its own section heading, not the source's.
     """
     seen: set[str] = set()
     out = []
-    for number, hit in enumerate(sources, 1):
-        for sentence in split_units(hit.text, hit.heading):
-            key = _same_text_key(sentence)
-            if key not in seen:
-                seen.add(key)
-                out.append(Sentence(sentence, number))
+    for number, chunks in enumerate(_parts(sources, parts), 1):
+        for hit in chunks:
+            for sentence in split_units(hit.text, hit.heading):
+                key = _same_text_key(sentence)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(Sentence(sentence, number))
     return out
+
+
+def _parts(sources: Sequence[Hit], parts: Sequence[Sequence[Hit]] | None) -> Sequence[Sequence[Hit]]:
+    """The chunks of each source: `parts` when given (one list per source), else each source alone."""
+    if parts is None:
+        return [[h] for h in sources]
+    if len(parts) != len(sources) or any(not p or any(c.document_key != s.document_key for c in p)
+                                         for s, p in zip(sources, parts, strict=True)):
+        raise ValueError("parts must give each source one or more chunks of its own document")
+    return parts
 
 
 def scoring_text(sentence: Sentence, sources: Sequence[Hit]) -> str:
@@ -192,7 +205,8 @@ def scoring_text(sentence: Sentence, sources: Sequence[Hit]) -> str:
 
 def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
                    config: ExtractConfig = ExtractConfig(),
-                   source_scores: Sequence[float] | None = None) -> str | None:
+                   source_scores: Sequence[float] | None = None,
+                   parts: Sequence[Sequence[Hit]] | None = None) -> str | None:
     """The answer quoted from `sources`, or None when neither a sentence nor a source reaches its floor.
 
     Args:
@@ -204,11 +218,13 @@ def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
         source_scores: the cross-encoder's logits of the sources themselves (question, hit
             text), when the reranker has scored them; None scores them here, in the same
             batch as the sentences.
+        parts: the chunks each source is read from, in document order (a source joined with
+            its page's second chunk is two: retrieval.second_chunks); None: each source alone.
 
     Returns:
         Sentences best first, each followed by its marker ("... -65 C [2]."), or None.
     """
-    candidates = candidate_sentences(sources)
+    candidates = candidate_sentences(sources, parts)
     if not candidates:
         return None
     passages = [scoring_text(s, sources) for s in candidates]
@@ -221,7 +237,7 @@ def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
     if scored[0].score >= config.floor:
         threshold = max(config.floor, scored[0].score - config.margin)
     else:
-        scored = _sentences_of_best_source(scored, sources, source_scores, config.source_floor)
+        scored = _sentences_of_best_source(scored, _parts(sources, parts), source_scores, config.source_floor)
         if not scored:
             return None
         # The source answered as a whole: its sentences are all below `floor`, and compete only with each other.
@@ -230,14 +246,13 @@ def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
     return " ".join(cite(s.text, s.number) for s in chosen)
 
 
-def _sentences_of_best_source(scored: list[Sentence], sources: Sequence[Hit], source_scores: Sequence[float],
+def _sentences_of_best_source(scored: list[Sentence], parts: Sequence[Sequence[Hit]], source_scores: Sequence[float],
                               source_floor: float) -> list[Sentence]:
-    """The scored sentences of the best source, best first, if that source reaches `source_floor`; else []."""
-    best = max(range(len(sources)), key=lambda i: (source_scores[i], -i))  # ties: the earlier source
+    """The scored sentences of the best source (its `parts`), best first, if it reaches `source_floor`; else []."""
+    best = max(range(len(parts)), key=lambda i: (source_scores[i], -i))  # ties: the earlier source
     if source_scores[best] < source_floor:
         return []
-    hit = sources[best]
-    units = {_same_text_key(u) for u in split_units(hit.text, hit.heading)}
+    units = {_same_text_key(u) for hit in parts[best] for u in split_units(hit.text, hit.heading)}
     # A sentence is numbered by the first source it occurs in; one also in the best source is its.
     return [Sentence(s.text, best + 1, s.score) for s in scored if _same_text_key(s.text) in units]
 

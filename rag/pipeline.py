@@ -40,7 +40,7 @@ from rag.source_order import order_sources
 from rag.types import Answer, Hit
 from retrieval.records import BuildSpec
 from retrieval.retriever import Retriever, check_mode
-from retrieval.second_chunks import with_second_chunks
+from retrieval.second_chunks import reading_parts, with_second_chunks
 from retrieval.stores import CollectionStores
 from retrieval.stores.embedded.catalog import Catalog
 
@@ -434,8 +434,8 @@ class Rag:
         # when that chunk earned it (retrieval.second_chunks): one citation, the two chunks that
         # most often hold the answer together.
         if self.answer_mode == "extract":
-            relevant = with_second_chunks(relevant, result.seconds)
-            return self._prepare_extract(answer, relevant, result.hits, reranked, retrieval_query, started)
+            return self._prepare_extract(answer, relevant, result.hits, reranked, retrieval_query, started,
+                                         result.seconds)
         t = time.perf_counter()
         generator = self.generator
         timings["load_generator"] = time.perf_counter() - t
@@ -461,10 +461,12 @@ class Rag:
         return resolve_answer_mode(self.settings)
 
     def _prepare_extract(self, answer: Answer, relevant: list[Hit], ranked: list[Hit], reranked: bool,
-                         retrieval_query: str | None, started: float) -> PreparedAnswer:
+                         retrieval_query: str | None, started: float,
+                         seconds: dict[int, Hit]) -> PreparedAnswer:
         """The answer quoted from the relevant sources (rag/extractive.py); the generator is never loaded.
 
-        Only `relevant` is read: hits the retriever post-checked against the principal's ACL.
+        Only `relevant` is read, with their second chunks (`seconds`): hits the retriever
+        post-checked against the principal's ACL.
         """
         timings = answer.timings
         if "load_reranker" not in timings:  # retrieval skipped the cross-encoder; extraction needs it
@@ -473,6 +475,9 @@ class Rag:
             timings["load_reranker"] = time.perf_counter() - t
         scorer = self.batched_reranker
         sources = canonical_order(relevant)  # the order of retrieval-only answers and remote prompts
+        # Each chunk is read with its own heading; citations show the joined text.
+        parts = [reading_parts(h, seconds) for h in sources]
+        sources = with_second_chunks(sources, seconds)
         answer.citations = citations_for(sources, ranked, reranked)
         t = time.perf_counter()
         # A follow-up ("and how do I book it?") is scored with the turn before it, as it was searched.
@@ -480,7 +485,7 @@ class Rag:
         # reads it); unreranked ones are scored with the sentences, in one batch.
         text = extract_answer(retrieval_query or answer.question, sources,
                               lambda query, passages: scorer.batcher((query, passages)),
-                              source_scores=[h.score for h in sources] if reranked else None)
+                              source_scores=[h.score for h in sources] if reranked else None, parts=parts)
         timings["extract"] = time.perf_counter() - t
         answer.text = text or NO_ANSWER
         return PreparedAnswer(answer, None, started)

@@ -97,3 +97,15 @@ def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit],
                 hit = both
         out.append(hit)
     return out
+
+
+def reading_parts(hit: Hit, seconds: Mapping[int, Hit]) -> list[Hit]:
+    """The chunks a source is read from, in document order: `hit` and its second chunk, or `hit` alone.
+
+    An answer that quotes sentences reads each chunk with its own section heading (a joined
+    text carries only the first chunk's in `heading`).
+    """
+    second = seconds.get(hit.chunk_id)
+    if second is None:
+        return [hit]
+    return sorted((hit, second), key=lambda h: h.chunk_index)

@@ -317,11 +317,13 @@ def scored_sources(lab_rag, monkeypatch):
     """Every source list the extractive answerer was handed, and every passage it scored."""
     import rag.pipeline
 
-    seen: dict[str, list] = {"sources": [], "passages": []}
+    seen: dict[str, list] = {"sources": [], "passages": [], "parts": []}
     real = rag.pipeline.extract_answer
 
     def spy(question, sources, score, *args, **kwargs):
         seen["sources"].append(list(sources))
+        # The chunks each source is read from (a source with its page's second chunk is two).
+        seen["parts"].append(kwargs.get("parts") or [[h] for h in sources])
 
         def scored(query, passages):
             seen["passages"].extend(passages)
@@ -357,23 +359,27 @@ def test_it_never_quotes_or_scores_text_the_asker_may_not_read(lab_rag, scored_s
     principal = ERIN if user == "erin" else lab_rag.principal(user)
     answer = lab_rag.query(question, principal, k=5)
     assert secret not in answer.text
-    for sources in scored_sources["sources"]:
+    for sources, parts in zip(scored_sources["sources"], scored_sources["parts"], strict=True):
         assert all(principal.can_read(h.acl) for h in sources)
-    # Every passage scored is a readable source shown, or a sentence (table row) of one as scored.
+        assert all(principal.can_read(c.acl) for chunks in parts for c in chunks)
+    # Every passage scored is a readable source shown, or a sentence (table row) of one of its
+    # chunks as scored.
     scorable = set()
-    for sources in scored_sources["sources"]:
-        for hit in sources:
+    for sources, parts in zip(scored_sources["sources"], scored_sources["parts"], strict=True):
+        for hit, chunks in zip(sources, parts, strict=True):
             title = hit.title or hit.heading
-            scorable |= {hit.text} | {f"{title}: {u}" if title else u for u in split_units(hit.text, hit.heading)}
+            scorable |= {hit.text} | {f"{title}: {u}" if title else u
+                                      for c in chunks for u in split_units(c.text, c.heading)}
     assert set(scored_sources["passages"]) <= scorable
     if not is_refusal(answer.text):
-        shown = scored_sources["sources"][-1]
+        shown, parts = scored_sources["sources"][-1], scored_sources["parts"][-1]
         quotes = re.findall(r"(.+?) \[(\d+)\][.!?](?:\s+|$)", answer.text)
         assert quotes and clean_markers(answer.text, 0)
         for quote, number in quotes:
             # every quote is a sentence (or table row) of the readable source its marker names
-            source = shown[int(number) - 1]
-            assert quote in [_as_quoted(u) for u in split_units(source.text, source.heading)], quote
+            chunks = parts[int(number) - 1]
+            assert shown[int(number) - 1].document_key == chunks[0].document_key
+            assert quote in [_as_quoted(u) for c in chunks for u in split_units(c.text, c.heading)], quote
 
 
 def _as_quoted(unit: str) -> str:
@@ -423,3 +429,29 @@ def test_the_cli_shows_the_mode_in_its_output_and_json(lab_rag):
     assert human.returncode == 0 and as_json.returncode == 0, human.stderr + as_json.stderr
     assert "answer mode: extract" in human.stdout and "-65 C" in human.stdout
     assert json.loads(as_json.stdout)["answer_mode"] == "extract"
+
+
+def test_a_source_read_with_its_second_chunk_labels_each_chunks_rows_with_its_own_heading() -> None:
+    from retrieval.second_chunks import joined, reading_parts
+
+    best = Hit(chunk_id=8, document_key="guide", source="guide.md", chunk_index=3, score=2.0,
+               heading="Using the GPU nodes",
+               text="Guide › Using the GPU nodes\n\nAll GPU work goes through the gpu partition.")
+    table = Hit(chunk_id=7, document_key="guide", source="guide.md", chunk_index=2, score=1.0,
+                heading="Compute nodes",
+                text="Guide › Compute nodes\n\n| Partition | Nodes |\n| --- | --- |\n| bigmem | bm01-bm02 |\n"
+                     "| gpu | gpu01-gpu08 |")
+    source = joined(best, table)
+    parts = [reading_parts(best, {best.chunk_id: table})]
+    assert [h.chunk_index for h in parts[0]] == [2, 3]  # document order
+    units = [s.text for s in candidate_sentences([source], parts)]
+    # The table sits under "Compute nodes": its rows say so, not the best chunk's heading.
+    assert units == ["Compute nodes — Partition: bigmem; Nodes: bm01-bm02",
+                     "Compute nodes — Partition: gpu; Nodes: gpu01-gpu08",
+                     "All GPU work goes through the gpu partition."]
+    assert all(s.number == 1 for s in candidate_sentences([source], parts))
+    other = Hit(chunk_id=9, document_key="other", source="other.md", chunk_index=0, text="x y z.", score=0.0)
+    with pytest.raises(ValueError, match="its own document"):
+        candidate_sentences([source], [[best, other]])
+    with pytest.raises(ValueError, match="its own document"):
+        candidate_sentences([source], [])
