@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     # candidate chunk with it when that chunk ranks above the weakest source shown
     # (retrieval/second_chunks.py). Measured on the PostgreSQL manual set (recall@5 by page
     # 0.905 against 0.869 with 2; extractive answers 15 of 64 expected facts against 13) and the
-    # sample corpus (recall@5 0.992 against 0.971; 24 of 32 facts against 25), docs/benchmarks.md.
+    # sample corpus (recall@5 0.992 against 0.971; 25 of 32 facts either way), docs/benchmarks.md.
     max_hits_per_document: int = Field(default=1, ge=0, le=MAX_HITS_PER_DOCUMENT)
     page_evidence: float = Field(default=0.0, ge=0.0, le=1.0)
     fuse_rerank: bool = True
