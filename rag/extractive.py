@@ -224,6 +224,7 @@ def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
     Returns:
         Sentences best first, each followed by its marker ("... -65 C [2]."), or None.
     """
+    parts = _parts(sources, parts)
     candidates = candidate_sentences(sources, parts)
     if not candidates:
         return None
@@ -237,7 +238,7 @@ def extract_answer(question: str, sources: Sequence[Hit], score: ScoreFn,
     if scored[0].score >= config.floor:
         threshold = max(config.floor, scored[0].score - config.margin)
     else:
-        scored = _sentences_of_best_source(scored, _parts(sources, parts), source_scores, config.source_floor)
+        scored = _sentences_of_best_source(scored, parts, source_scores, config.source_floor)
         if not scored:
             return None
         # The source answered as a whole: its sentences are all below `floor`, and compete only with each other.

@@ -217,15 +217,18 @@ class Rag:
 
     def readable_chunk(self, collection: str, chunk_id: int, principal: Principal):
         """The chunk record if it exists and `principal` may read it, else None (never says which)."""
+        return self.readable_chunks(collection, [chunk_id], principal)[0]
+
+    def readable_chunks(self, collection: str, chunk_ids: Sequence[int], principal: Principal) -> list:
+        """Each chunk's record if it exists and `principal` may read it, else None, in order (one read)."""
         try:
             store = self.collection(collection)
         except (NotFoundError, ConfigError):
-            return None
+            return [None] * len(chunk_ids)
         store.refresh()
-        record = store.chunk_records([chunk_id]).get(chunk_id)
-        if record is None or not principal.can_read(record.acl):
-            return None
-        return record
+        records = store.chunk_records(list(chunk_ids))
+        return [r if r is not None and principal.can_read(r.acl) else None
+                for r in (records.get(i) for i in chunk_ids)]
 
     # -- identity ------------------------------------------------------------------------
 

@@ -84,15 +84,15 @@ def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit],
     the hits' order only while the whole still fits: every source keeps its place first, and
     what is left of the budget goes to the best sources' second chunks.
     """
-    if cost is None or budget is None:
-        return [joined(h, seconds[h.chunk_id]) if h.chunk_id in seconds else h for h in hits]
-    used = sum(cost(h) for h in hits)
+    if (cost is None) != (budget is None):
+        raise ValueError("cost and budget go together")
+    used = sum(cost(h) for h in hits) if cost is not None else 0
     out = []
     for hit in hits:
         if hit.chunk_id in seconds:
             both = joined(hit, seconds[hit.chunk_id])
-            extra = cost(both) - cost(hit)
-            if used + extra <= budget:
+            extra = cost(both) - cost(hit) if cost is not None else 0
+            if budget is None or used + extra <= budget:
                 used += extra
                 hit = both
         out.append(hit)

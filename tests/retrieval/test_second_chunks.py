@@ -87,3 +87,5 @@ def test_second_chunks_join_only_within_the_prompt_budget() -> None:
     assert with_second_chunks([a, b], seconds, cost, 20) == [a, b]  # the sources alone: none joins
     # Without a budget (the extractive answer scores sentences, not a prompt), every one joins.
     assert [len(h.text.split()) for h in with_second_chunks([a, b], seconds)] == [40, 40]
+    with pytest.raises(ValueError, match="together"):
+        with_second_chunks([a, b], seconds, cost)

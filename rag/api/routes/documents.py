@@ -30,7 +30,7 @@ async def get_document(collection: str, chunk_id: str, rag: RagDep, principal: P
     # "²".isdigit(), but int() refuses it
     if len(ids) > 2 or not all(i.isascii() and i.isdigit() and len(i) <= 20 for i in ids):
         raise ApiError(404, _NOT_FOUND)
-    records = [await asyncio.to_thread(rag.readable_chunk, collection, int(i), principal) for i in ids]
+    records = await asyncio.to_thread(rag.readable_chunks, collection, [int(i) for i in ids], principal)
     if any(r is None for r in records):
         raise ApiError(404, _NOT_FOUND)
     record, text, joined = records[0], records[0].text, None
