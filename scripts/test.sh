@@ -12,4 +12,10 @@ if [ $# -eq 0 ]; then
 fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -m "not gpu" --durations=15 "$@"
+# Two test processes (RAG_TEST_WORKERS, default 2; 0 runs in this process): most tests hold one
+# core (servers and engines are started with one thread, much of the rest is Python), so two
+# use a 2-core machine; each test file stays in one process, with its module fixtures.
+workers=${RAG_TEST_WORKERS:-2}
+# One torch thread per process when there are several: two of two each would fight over the cores.
+if [ "$workers" -ge 2 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
+exec .venv/bin/python -m pytest -q -m "not gpu" --durations=15 -n "$workers" --dist loadfile "$@"
