@@ -72,8 +72,12 @@ def joined(hit: Hit, second: Hit) -> Hit:
     if second.document_key != hit.document_key:
         raise ValueError(f"a second chunk must come from the same document: {second.document_key!r} "
                          f"joins {hit.document_key!r}")
-    first, later = (hit, second) if hit.chunk_index <= second.chunk_index else (second, hit)
+    first, later = _in_document_order(hit, second)
     return replace(hit, text=join_texts(first.text, later.text), joined_chunk_id=second.chunk_id)
+
+
+def _in_document_order(hit: Hit, second: Hit) -> list[Hit]:
+    return sorted((hit, second), key=lambda h: h.chunk_index)  # stable: `hit` first on a tie
 
 
 def with_second_chunks(hits: Sequence[Hit], seconds: Mapping[int, Hit],
@@ -106,6 +110,4 @@ def reading_parts(hit: Hit, seconds: Mapping[int, Hit]) -> list[Hit]:
     text carries only the first chunk's in `heading`).
     """
     second = seconds.get(hit.chunk_id)
-    if second is None:
-        return [hit]
-    return sorted((hit, second), key=lambda h: h.chunk_index)
+    return [hit] if second is None else _in_document_order(hit, second)
