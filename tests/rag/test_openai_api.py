@@ -173,7 +173,9 @@ def test_concurrent_streams_run_in_one_engine_batch(service):
         finished: list[float] = []
 
         def run(question: str) -> None:
-            stream = _ask(client, question, stream=True, max_tokens=48)
+            # Long enough to outlast the other request's retrieval on a loaded machine (the tests
+            # run two processes on two cores): 48 tokens overlapped in none of three tries there.
+            stream = _ask(client, question, stream=True, max_tokens=128)
             got = False
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content and not got:
