@@ -7,8 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LITELLM_VERSION=1.108.7
-VENV=.venv-litellm
+LITELLM_VERSION=${RAG_LITELLM_VERSION:-1.108.7}  # overridable for the setup script's own test
+VENV=${RAG_LITELLM_VENV:-.venv-litellm}
 PYTHON=${PYTHON:-python3}
 
 # One install at a time: scripts/test.sh starts this in the background while the main setup
@@ -31,12 +31,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 echo "== installing litellm[proxy]==$LITELLM_VERSION into $VENV"
-# Exit status 3: pip could not install it (no registry reachable, no such release): callers may skip.
+# Exit status 3 only where no package registry answers (an offline machine): callers may skip
+# then, outside CI. Any other pip failure (a broken dependency, a wheel that does not build, a
+# registry that answers but lacks the release) is exit status 1: a failure, never a skip.
 log=$(mktemp)
 if ! "$VENV/bin/python" -m pip install -q "litellm[proxy]==$LITELLM_VERSION" >"$log" 2>&1; then
   grep -v "^WARNING: Location .* is ignored" "$log" | tail -20 >&2
   rm -f "$log"
-  echo "setup_litellm: pip could not install litellm[proxy]==$LITELLM_VERSION" >&2
+  # Does the registry answer at all? `pip index versions` uses pip's own index, proxy and certs.
+  # (Read whole before matching: under pipefail, `grep -q` closing the pipe early fails pip.)
+  index=$("$VENV/bin/python" -m pip index versions litellm --timeout 20 --retries 1 2>/dev/null || true)
+  if grep -q "^litellm (" <<<"$index"; then
+    echo "setup_litellm: pip could not install litellm[proxy]==$LITELLM_VERSION although the registry answers" >&2
+    exit 1
+  fi
+  echo "setup_litellm: no package registry reachable; litellm[proxy]==$LITELLM_VERSION not installed" >&2
   exit 3
 fi
 rm -f "$log"

@@ -18,4 +18,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLE
 workers=${RAG_TEST_WORKERS:-2}
 # One torch thread per process when there are several: two of two each would fight over the cores.
 if [ "$workers" -ge 2 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
-exec .venv/bin/python -m pytest -q -m "not gpu" --durations=15 -n "$workers" --dist loadfile "$@"
+# -rfEs lists failures, errors and every skip with its reason (in CI, CI=true turns skips into
+# failures: tests/ci_gate.py).
+exec .venv/bin/python -m pytest -q -rfEs -m "not gpu" --durations=15 -n "$workers" --dist loadfile "$@"

@@ -8,9 +8,9 @@ import pytest
 try:
     import psycopg  # noqa: F401
 
-    pytest_plugins = ["tests.pg_fixture"]
+    pytest_plugins = ["tests.ci_gate", "tests.pg_fixture"]
 except ImportError:  # the GPU machine has no psycopg; its `gpu` tests need no database
-    pytest_plugins = []
+    pytest_plugins = ["tests.ci_gate"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
