@@ -318,7 +318,7 @@ def test_a_finished_build_is_what_queries_read(kind, tmp_path, request):
 
 def test_a_plain_collection_has_nothing_to_finish(store):
     if isinstance(store, CollectionBuild):
-        pytest.skip("a rebuild: finishing one is the test above")
+        pytest.skip("not applicable: a rebuild; finishing one is the test above")
     Corpus(store).write("doc", 2)
     store.save()
     assert store.notice is None and store.finish() is None
