@@ -18,7 +18,7 @@ from rag.admission import AdmissionControl
 from rag.citations import MarkerFilter
 from rag.errors import DeadlineExceeded
 from rag.generator import GenerationDone, GenerationRequest, Generator, TextDelta
-from rag.prompts import RepeatGuard, trim_repetition
+from rag.prompts import RepeatGuard
 from rag.types import Answer
 
 
@@ -69,6 +69,9 @@ async def answer_events(prepared: PreparedAnswer, generator: Generator | None, a
                         deadline: float | None = None) -> AsyncIterator[Admitted | TextDelta | AnswerDone]:
     """Admitted (when generating), text deltas (markers to missing sources removed), then one AnswerDone.
 
+    The AnswerDone's `answer.text` is the deltas joined, exactly: a streaming client that
+    concatenates them holds the same answer (and citation offsets) as a non-streaming one.
+
     Routes wait for Admitted before they send response headers, so that a full queue is a real
     429 and not an error inside a 200 stream.
 
@@ -90,6 +93,7 @@ async def answer_events(prepared: PreparedAnswer, generator: Generator | None, a
         return
     markers = MarkerFilter(len(answer.citations))
     guard = RepeatGuard()
+    edges = _EdgeTrim()
     done: GenerationDone | None = None
     finish = "stop"
     remaining = None if deadline is None else deadline - time.monotonic()
@@ -105,7 +109,7 @@ async def answer_events(prepared: PreparedAnswer, generator: Generator | None, a
                         break
                     if "ttft" not in timings:
                         timings["ttft"] = time.perf_counter() - t
-                    shown = guard.feed(markers.feed(event.text))
+                    shown = edges.feed(guard.feed(markers.feed(event.text)))
                     if shown:
                         yield TextDelta(shown)
                     if guard.repeated:
@@ -113,12 +117,33 @@ async def answer_events(prepared: PreparedAnswer, generator: Generator | None, a
             timings["generate"] = time.perf_counter() - t
     except TimeoutError as exc:
         raise DeadlineExceeded("the answer took longer than the request deadline; it was stopped") from exc
-    tail = guard.feed(markers.flush()) + guard.flush()
+    tail = edges.feed(guard.feed(markers.flush()) + guard.flush())
     if tail:
         yield TextDelta(tail)
-    answer.text = trim_repetition(guard.text)
+    answer.text = edges.text  # exactly the deltas: a client that joins them has the answer
     if done is not None:
         finish = done.finish_reason
     timings["total"] = time.perf_counter() - prepared.started
     usage = Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens) if done else Usage()
     yield AnswerDone(answer, finish, usage)
+
+
+class _EdgeTrim:
+    """Passes streamed text on without its leading and trailing whitespace.
+
+    Whitespace after the last text shown is held until more text follows it, so the deltas
+    joined are always `text`, the stripped answer (its inner newlines and spacing kept).
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._pending = ""
+
+    def feed(self, delta: str) -> str:
+        if not self.text:
+            delta = delta.lstrip()
+        delta = self._pending + delta
+        shown = delta.rstrip()
+        self._pending = delta[len(shown):]
+        self.text += shown
+        return shown

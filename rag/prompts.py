@@ -164,21 +164,6 @@ def _key(sentence: str) -> str:
     return " ".join(sentence.lower().split())
 
 
-def trim_repetition(text: str) -> str:
-    """Cut an answer where it starts repeating a sentence it already said.
-
-    Small greedy models fall into loops; a repeated sentence adds nothing for the reader.
-    """
-    seen: set[str] = set()
-    kept: list[str] = []
-    for sentence in _sentences(text):
-        if _key(sentence) in seen:
-            break
-        seen.add(_key(sentence))
-        kept.append(sentence)
-    return " ".join(kept)
-
-
 def is_repeating(text: str) -> bool:
     """True once a finished sentence of `text` repeats an earlier one (generation can stop)."""
     finished = _sentences(text)

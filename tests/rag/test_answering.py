@@ -181,3 +181,18 @@ def test_a_sentence_that_starts_like_an_earlier_one_but_differs_is_shown():
     assert out == "Use gpu07. Use gpu08 instead." and not guard.repeated
     held = RepeatGuard()
     assert held.feed("Use gpu07. ") == "Use gpu07. " and held.feed("Use gpu") == ""  # held: may be a repeat
+
+
+@pytest.mark.parametrize("pieces, answer", [
+    (["\n ", " The nodes are gpu07", " and gpu08.\n\n", "Book them  first.\n", "The nodes", " are gpu07",
+      " and gpu08.", " more text."],  # a paragraph break and a double space kept; the loop cut
+     "The nodes are gpu07 and gpu08.\n\nBook them  first."),
+    (["  Use [", "1]", " gpu01.  ", "\n", " Then ask [", "3]. ", " \n"],  # edge whitespace, a dropped marker
+     "Use [1] gpu01.  \n Then ask."),
+    ([" \n", "  "], ""),  # nothing but whitespace
+])
+def test_the_final_answer_is_exactly_the_streamed_deltas(pieces, answer):
+    events = asyncio.run(collect(answer_events(prepared(2), Scripted(pieces), AdmissionControl(1, 0))))
+    deltas = [e.text for e in events if isinstance(e, TextDelta)]
+    assert "".join(deltas) == events[-1].answer.text == answer
+    assert all(deltas)  # no empty deltas

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rag.prompts import build_messages, canonical_order, citations_for, select_sources, trim_repetition
+from rag.prompts import build_messages, canonical_order, citations_for, select_sources
 from rag.types import Hit
 
 
@@ -31,13 +31,6 @@ def test_budget_keeps_best_first_and_at_least_one():
 
 def test_no_sources_says_so():
     assert "(no sources available to you)" in build_messages("q", [])[-1]["content"]
-
-
-def test_trim_repetition():
-    looped = "Use gpu01. Ask first.\n\nUse gpu01. Ask first. Use gpu01."
-    assert trim_repetition(looped) == "Use gpu01. Ask first."
-    assert trim_repetition("One. Two! Three?") == "One. Two! Three?"
-    assert trim_repetition("") == ""
 
 
 def test_is_repeating_waits_for_finished_sentences():
