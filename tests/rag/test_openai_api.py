@@ -366,6 +366,18 @@ def test_sampling_fields_are_honoured_and_unknown_fields_ignored(service):
     assert again.choices[0].message.content == stopped.choices[0].message.content
 
 
+def test_a_seed_fixes_sampled_text_and_another_seed_changes_it(service):
+    # At temperature > 0, where a seed matters: the same seed, the same text; other seeds, other text.
+    client = service.client("bob")
+
+    def sampled(seed: int) -> str:
+        return _ask(client, RESERVATION_Q, temperature=1.5, seed=seed).choices[0].message.content
+
+    first = sampled(7)
+    assert first and sampled(7) == first
+    assert {sampled(seed) for seed in (8, 9, 10)} - {first}
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "gpu \\ud800 nodes"}]}'),
     ("/v1/query", b'{"question": "gpu \\ud800 nodes", "generate": false}'),
