@@ -63,3 +63,14 @@ def test_a_short_or_missing_commit_is_refused(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "full commit hash" in done.stderr
     assert [c.outcome for c in summary.read_cases(junit)] == ["passed"]
+
+
+def test_the_gpu_script_runs_every_file_that_has_gpu_tests():
+    """scripts/gpu_tests.sh picks files by grep (the rest do not import there): none may be missed."""
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:xdist",
+                                "tests"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    grepped = subprocess.run(["grep", "-rl", "--include=test_*.py", "mark.gpu", "tests"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert files and files <= set(grepped), files - set(grepped)
