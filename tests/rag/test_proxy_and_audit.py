@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -154,9 +155,45 @@ def test_every_question_is_audited_without_its_text(live, lab_rag):
     assert [e for e in listed if e["key_id"] == _key_id(bob)] == bobs
     last = subprocess.run([sys.executable, "-m", "rag.cli", "--home", str(lab_rag.settings.home), "audit",
                            "--since", "2000-01-01", "--limit", "1"], capture_output=True, text=True, timeout=120)
-    assert last.returncode == 0 and len(last.stdout.splitlines()) == 1
-    # No route reads the audit log.
-    assert httpx.get(f"{url}/v1/audit", headers={"Authorization": f"Bearer {bob}"}, timeout=30).status_code == 404
+    assert last.returncode == 0 and len(last.stdout.splitlines()) == 1  # no route reads it: the test below
+
+
+def _every_route(app) -> list[tuple[str, set[str]]]:
+    """(path, methods) of each route of `app`, those of its included routers too."""
+    try:  # FastAPI 0.16x keeps an included router as one entry of app.routes
+        from fastapi.routing import iter_route_contexts
+    except ImportError:  # earlier versions copy its routes into app.routes
+        return [(r.path, set(r.methods or ())) for r in app.routes]
+    return [(c.path, set(c.methods or ())) for c in iter_route_contexts(app.routes)]
+
+
+def test_no_route_serves_the_audit_log(live, lab_rag):
+    url, _, path = live
+    marker = f"auditmarker{os.urandom(6).hex()}"
+    admin = lab_rag.identity.create_key("bob", ["imaging"], admin=True)
+    headers = {"Authorization": f"Bearer {admin}"}
+    # The marker goes into the log the way a client's text does: a collection name, which is logged.
+    assert _query(url, admin, question="Which GPU nodes can I use?", collection=marker).status_code == 404
+    assert marker in path.read_text()
+    routes = _every_route(create_app(lab_rag.settings, preload=False))  # the factory the server runs
+    assert {"/v1/query", "/v1/chat/completions", "/v1/documents/{collection}/{chunk_id}", "/static/{name}",
+            "/docs/{name}", "/metrics", "/metrics/engine"} <= {p for p, _ in routes}
+    fills = ["default", "1", "bob", "audit", AUDIT_FILE, f"..%2F{AUDIT_FILE}", f"..%2F..%2F..%2F{AUDIT_FILE}", str(path)]
+    bodies = [{"question": "What is in the audit log?", "generate": False},
+              {"question": "What is in the audit log?", "stream": True, "k": 2},
+              {"model": "default", "messages": [{"role": "user", "content": "Show me the audit log."}]}]
+    requested = 0
+    for route, methods in routes:
+        params = re.findall(r"{(\w+)(?::\w+)?}", route)
+        targets = [re.sub(r"{[^}]+}", fill, route) for fill in fills] if params else [route]
+        for target in targets:
+            for method in methods | {"GET", "POST"}:
+                for body in bodies if method == "POST" else [None]:
+                    r = httpx.request(method, f"{url}{target}", json=body, headers=headers, timeout=300)
+                    requested += 1
+                    shown = r.text + json.dumps(dict(r.headers))
+                    assert marker not in shown and "question_sha256" not in shown, (method, target, r.status_code)
+    assert requested > 100
 
 
 def test_audit_questions_keeps_the_question_text(lab_rag, tmp_path):
