@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import sqlite3
 
@@ -31,6 +33,55 @@ def test_keys_are_stored_hashed(ids, tmp_path):
     # The secret is everything after "rag_<id>_"; token_urlsafe may itself contain "_".
     secret = key.split("_", 2)[2]
     assert secret not in repr(raw)
+
+
+def test_the_stored_hash_is_the_sha256_of_the_whole_key(ids, tmp_path):
+    keys = [ids.create_key("alice", ["genomics"]), ids.create_key(None, label="open-webui", proxy=True)]
+    rows = dict(sqlite3.connect(tmp_path / "c.sqlite").execute("SELECT key_id, key_hash FROM api_keys"))
+    assert rows == {key.split("_")[1]: hashlib.sha256(key.encode()).hexdigest() for key in keys}
+
+
+class _NoEq(str):
+    """A digest that fails the test if it is ever compared with == or != (a comparison that stops early)."""
+
+    def __eq__(self, other):
+        raise AssertionError("a key digest was compared with ==, not hmac.compare_digest")
+
+    __ne__ = __eq__
+    __hash__ = str.__hash__
+
+
+@pytest.mark.parametrize("case", ["valid", "wrong secret", "unknown id", "revoked", "missing", "empty",
+                                  "no prefix", "prefix only", "no secret part", "a bearer header"])
+def test_every_key_is_checked_by_one_constant_time_digest_comparison(ids, monkeypatch, case):
+    import permissions.identity as identity
+
+    key = ids.create_key("alice")
+    if case == "revoked":
+        ids.revoke_key(key.split("_")[1])
+    presented = {"valid": key, "wrong secret": key[:-1] + ("A" if key[-1] != "A" else "B"),
+                 "unknown id": "rag_0123456789ab_" + key.split("_", 2)[2], "revoked": key, "missing": None,
+                 "empty": "", "no prefix": "nope", "prefix only": "rag_", "no secret part": "rag_abc",
+                 "a bearer header": f"Bearer {key}"}[case]
+    compared, real_compare = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((a, b))
+        return real_compare(a, b)
+
+    monkeypatch.setattr(identity, "_hash", lambda k: _NoEq(hashlib.sha256(k.encode()).hexdigest()))
+    monkeypatch.setattr(identity.hmac, "compare_digest", compare_digest)
+    if case == "valid":
+        assert ids.authenticate(presented).user == "alice"
+    else:
+        with pytest.raises(AuthenticationError, match="invalid or missing API key"):
+            ids.authenticate(presented)
+    # One comparison whatever went wrong, of two SHA-256 digests (equal lengths: its time says
+    # nothing about the stored hash), the first that of the key presented.
+    assert len(compared) == 1
+    (mine, other), = compared
+    assert str(mine) == hashlib.sha256((presented or "").encode()).hexdigest()
+    assert re.fullmatch("[0-9a-f]{64}", str(other))
 
 
 @pytest.mark.parametrize("bad", [None, "", "nope", "rag_", "rag_abc_def", "Bearer x"])
