@@ -7,8 +7,8 @@ random bf16 weights). N users each send questions back to back; per concurrency 
 
   server      p50/p99 time to first token (request sent -> first content delta) and output
               tok/s (completion_tokens from `usage` / wall time of the level);
-  serialized  the same server with max_concurrent_generations=1 (one answer at a time), fewer
-              requests per level (throughput taken to the K-th completed answer);
+  serialized  the same server with max_concurrent_generations=1 (one answer at a time), after the
+              same warm-up, fewer requests per level (throughput taken to the K-th completed answer);
   offline     the engine alone (LLMEngine, same config and KV size) over the same prompt token
               ids, the same number in flight (ignore_eos), in this process after the servers stop.
 
@@ -137,6 +137,7 @@ def write_settings(home: Path, args, folder: Path) -> None:
         "mode": "keyword", "rerank": False, "top_k": 5, "candidates": 5,
         "context_tokens": 5 * (args.source_tokens + 64), "max_new_tokens": args.output_tokens,
         "temperature": 0.0, "request_timeout": 900.0, "max_queued_generations": 1024,
+        "answer_mode": "generate",  # a generated answer even from --tiny's model ("auto" quotes below 1B)
     }
     home.mkdir(parents=True, exist_ok=True)
     (home / "rag.toml").write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
@@ -199,6 +200,7 @@ def prompt_ids_for(home: Path, folder: Path, keys: list[str], items: list[Item])
     Rag.prepare (keyword retrieval, canonical order, packing) then LocalGenerator.prompt (chat
     template, tokenizer, segment regions), with an engine stand-in that holds only the tokenizer.
     """
+    from generation.config import EngineConfig
     from generation.engine.llm_engine import load_tokenizer
     from rag.generators.local import LocalGenerator
     from rag.pipeline import Rag
@@ -207,7 +209,12 @@ def prompt_ids_for(home: Path, folder: Path, keys: list[str], items: list[Item])
     rag = Rag(load_settings(home=home))
     try:
         tokenizer = load_tokenizer(folder)
-        stand_in = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, model_dir=folder))
+        # The server's engine config is the default one (write_settings sets no engine option). An
+        # empty prefix cache: the sources in the order a cold server gives them (the server itself
+        # orders them by what its cache holds, which changes lengths by nothing).
+        stand_in = SimpleNamespace(engine=SimpleNamespace(
+            tokenizer=tokenizer, model_dir=folder, config=EngineConfig(),
+            num_cached_prefix_tokens=lambda token_ids, namespace=None: 0))
         generator = LocalGenerator(engine=stand_in)
         rag.__dict__["generator"] = generator  # the cached_property's slot: no engine is loaded
         principals = [rag.identity.authenticate(k) for k in keys]
@@ -463,9 +470,11 @@ async def serve_phase(label: str, home: Path, port: int, env: dict[str, str], ke
             stagger = w["latency_p50_s"] if args.stagger and w["latency_p50_s"] else 0.0
             out["warmup"] = {"s": time.perf_counter() - t, "failed": w["failed"] + w2["failed"],
                              "errors": w["errors"] + w2["errors"], "lone_latency_s": w["latency_p50_s"],
-                             "stagger_s": stagger}
-            log(f"[{label}] warm-up {out['warmup']['s']:.1f} s, failed {out['warmup']['failed']} "
-                f"{out['warmup']['errors']}")
+                             "stagger_s": stagger, "requests": len(warmup),
+                             "prefix_cache_hit_rate": [w["prefix_cache_hit_rate"], w2["prefix_cache_hit_rate"]]}
+            log(f"[{label}] warm-up {out['warmup']['s']:.1f} s ({len(warmup)} requests), failed "
+                f"{out['warmup']['failed']} {out['warmup']['errors']}, prefix hit "
+                f"{' / '.join(fmt_pct(h) for h in out['warmup']['prefix_cache_hit_rate'])}")
             m = await server.metrics(client)
             out["engine_config"] = m.get("engine_config")
             for users, items in levels:
@@ -554,8 +563,11 @@ def offline_phase(folder: Path, device: str, engine_config: dict, prompts: dict[
                 "batch_running_mean": statistics.fmean(running_sizes) if running_sizes else 0.0,
                 "preemptions": after.num_preemptions - before.num_preemptions}
 
-    closed_loop(warmup[:2], 1, output_tokens)  # the same warm-up as the servers': the same cache history
-    closed_loop(warmup[2:], len(warmup) - 2, 16)
+    # The same warm-up as the servers': the same cache history.
+    hits = [closed_loop(warmup[:2], 1, output_tokens), closed_loop(warmup[2:], len(warmup) - 2, 16)]
+    out["warmup_prefix_cache_hit_rate"] = [h["prefix_cache_hit_rate"] for h in hits]
+    log(f"[offline] warm-up ({len(warmup)} requests): prefix hit "
+        f"{' / '.join(fmt_pct(h['prefix_cache_hit_rate']) for h in hits)}")
     for users, items in levels:
         res = closed_loop(items, users, output_tokens)
         out["levels"][users] = res
@@ -587,7 +599,7 @@ def report(result: dict) -> str:
     serial = result.get("serialized", {}).get("levels", {})
     offline = result.get("offline", {}).get("levels", {})
     lines.append("| users | server TTFT p50 | p99 | server tok/s | serialized tok/s | offline tok/s | "
-                 "server / serialized | server / offline | prefix hit (server / offline) | "
+                 "server / serialized | server / offline | prefix hit (server / serialized / offline) | "
                  "mean batch (server / offline) |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for c in concs:
@@ -600,13 +612,20 @@ def report(result: dict) -> str:
             f"{fmt(s and s['tok_per_s'], ',.0f')} | {fmt(z and z['tok_per_s'], ',.0f')}{answers} | "
             f"{fmt(o and o['tok_per_s'], ',.0f')} | "
             f"{fmt(ratio_z, '.1f')}{'x' if ratio_z else ''} | {fmt_pct(ratio_o)} | "
-            f"{fmt_pct(s and s['prefix_cache_hit_rate'])} / {fmt_pct(o and o['prefix_cache_hit_rate'])} | "
+            f"{fmt_pct(s and s['prefix_cache_hit_rate'])} / {fmt_pct(z and z['prefix_cache_hit_rate'])} / "
+            f"{fmt_pct(o and o['prefix_cache_hit_rate'])} | "
             f"{fmt(s and s['batch_running_mean'], '.1f')} / {fmt(o and o['batch_running_mean'], '.1f')} |")
     lock = result.get("server", {}).get("lockstep8")
     if lock:
         lines.append(f"| 8, started together | {fmt(lock['ttft_p50_ms'])} ms | {fmt(lock['ttft_p99_ms'])} ms | "
-                     f"{lock['tok_per_s']:,.0f} | | | | | {fmt_pct(lock['prefix_cache_hit_rate'])} / | "
+                     f"{lock['tok_per_s']:,.0f} | | | | | {fmt_pct(lock['prefix_cache_hit_rate'])} / / | "
                      f"{lock['batch_running_mean']:.1f} / |")
+    warm = {"server": result.get("server", {}).get("warmup", {}).get("prefix_cache_hit_rate"),
+            "serialized": result.get("serialized", {}).get("warmup", {}).get("prefix_cache_hit_rate"),
+            "offline": result.get("offline", {}).get("warmup_prefix_cache_hit_rate")}
+    lines.append("")
+    lines.append("warm-up prefix hit (one answer alone / the rest at once; the same requests in each phase): "
+                 + ", ".join(f"{phase} {' / '.join(fmt_pct(h) for h in hits)}" for phase, hits in warm.items() if hits))
     failed = {p: sum(lv["failed"] for lv in result.get(p, {}).get("levels", {}).values())
               for p in ("server", "serialized")}
     lines.append("")
@@ -717,8 +736,10 @@ def main() -> None:
     if "serialized" in phases:
         stop_after = {c: (8 if c == 1 else args.serialized_requests) for c in concs}
         ser_levels = [(c, items[: max(stop_after[c], c)]) for c, items in levels]
+        # The same warm-up as the server's (one answer alone, then the rest at once, queued here
+        # behind the one slot): the same cache history before the first level.
         result["serialized"] = asyncio.run(serve_phase(
-            "serialized", home, args.port + 1, {"RAG_MAX_CONCURRENT_GENERATIONS": "1"}, keys, warmup[:10],
+            "serialized", home, args.port + 1, {"RAG_MAX_CONCURRENT_GENERATIONS": "1"}, keys, warmup,
             ser_levels, args, stop_after=stop_after))
         engine_config = engine_config or result["serialized"]["engine_config"]
         save()
