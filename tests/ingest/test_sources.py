@@ -12,6 +12,7 @@ import pytest
 
 from ingest.sources import SourceItem, SourceProblem, scan_roots, walk_sources
 from rag.errors import ConfigError
+from tests.unprivileged import run_unprivileged, searchable_dir
 
 
 def write(path: Path, data: str | bytes = "text") -> Path:
@@ -132,12 +133,44 @@ def test_unreadable_file_is_a_problem(tmp_path: Path, monkeypatch: pytest.Monkey
     assert out[1].key == str(secret) and out[1].reason == "cannot read file: Permission denied"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file_for_real(tmp_path: Path) -> None:
-    secret = write(tmp_path / "b.md")
-    secret.chmod(0)
-    (problem,) = problems([tmp_path])
-    assert problem.reason == "cannot read file: Permission denied"
+_WALK_AS_NOBODY = (
+    "import json, sys\nfrom pathlib import Path\nfrom ingest.sources import SourceItem, walk_sources",
+    "out = [[type(x).__name__, Path(x.key).name, x.reason if type(x).__name__ == 'SourceProblem' else\n"
+    "        [sorted(x.acl), x.acl_origin, x.acl_error]] for x in walk_sources([Path(sys.argv[1])])]\n"
+    "print(json.dumps(out))\n",
+)
+
+
+def _walk_unprivileged(root: Path) -> list:
+    """walk_sources over `root` with real permission denials, as root too (tests/unprivileged.py)."""
+    out = run_unprivileged(*_WALK_AS_NOBODY, str(root))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_unreadable_file_for_real() -> None:
+    with searchable_dir() as d:
+        write(d / "a.md").chmod(0o644)
+        write(d / "b.md").chmod(0)
+        out = _walk_unprivileged(d)
+    assert [x[:2] for x in out] == [["SourceItem", "a.md"], ["SourceProblem", "b.md"]]
+    assert out[1][2] == "cannot read file: Permission denied"
+
+
+def test_unreadable_sidecar_blocks_its_files_for_real() -> None:
+    # Its files are readable, but what the sidecar says is unknown: nobody may read them, never POSIX.
+    with searchable_dir() as d:
+        write(d / "open" / "a.md").chmod(0o644)
+        write(d / "locked" / "b.md").chmod(0o644)
+        for sub in ("open", "locked"):
+            (d / sub).chmod(0o755)
+        write(d / "locked" / ".rag-acl.toml", 'allow = ["public"]\n').chmod(0)
+        out = _walk_unprivileged(d)
+    (b,) = [x for x in out if x[1] == "b.md"]
+    assert b[0] == "SourceItem" and b[2][:2] == [[], "error"]
+    assert ".rag-acl.toml" in b[2][2] and "cannot read: Permission denied" in b[2][2]
+    (a,) = [x for x in out if x[1] == "a.md"]  # beside it, a file without a sidecar has its POSIX ACL
+    assert a[0] == "SourceItem" and "public" in a[2][0] and a[2][1:] == ["posix", None]
 
 
 # --------------------------------------------------------------------------------- JSONL
