@@ -1,9 +1,10 @@
 """The built-in chat page at `/`: its static route, and the page itself in a real headless Chromium.
 
-The route tests run in-process (httpx over ASGI, and hand-made ASGI requests for paths a client
-would normalise). The browser tests start a real `rag serve` with the sample corpus and drive
-Debian's Chromium through Playwright: bob (group imaging) and dave (no groups) ask the same
-question, each in a fresh browser context, and read what the page shows.
+The route tests need no browser: in-process (httpx over ASGI, hand-made ASGI requests for paths a
+client would normalise) and over a real uvicorn on loopback. The browser tests start a real
+`rag serve` with the sample corpus and drive Debian's Chromium through Playwright: bob (group
+imaging) and dave (no groups) ask the same question, each in a fresh browser context, and read
+what the page shows.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rag.api.app import create_app
 from rag.api.routes.page import STATIC_DIR
 from rag.settings import load_settings
 from tests.rag.headless_chromium import chromium
+from tests.rag.live_server import serving
 from tests.rag.serve_fixture import Service, prepare_home, running_service
 
 try:
@@ -110,6 +112,30 @@ def test_the_page_puts_no_server_text_through_html():
     html = (STATIC_DIR / "index.html").read_text()
     assert "<script>" not in html and "style=" not in html and "http" not in html  # nothing inline, no CDN
     assert "localStorage" not in js and "sessionStorage" in js
+
+
+def test_real_server_refuses_paths_outside_the_static_folder(tmp_path):
+    # Over a real uvicorn on loopback (what `rag serve` runs), with paths sent exactly as written;
+    # no browser is needed, so this runs without Chromium.
+    with serving(create_app(load_settings(home=tmp_path / "home"), preload=False)) as url:
+        parts = urlsplit(url)
+        for path in OUTSIDE + RAW_OUTSIDE:
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+            try:
+                conn.request("GET", path)  # sent as written: no `..` or %2F normalisation on the way
+                r = conn.getresponse()
+                body = r.read()
+            finally:
+                conn.close()
+            assert r.status in (400, 404), (path, r.status, body[:200])
+            assert b"import" not in body and b"[project]" not in body
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        try:  # the same server does serve the folder's own files
+            conn.request("GET", "/static/app.js")
+            r = conn.getresponse()
+            assert r.status == 200 and r.read() == (STATIC_DIR / "app.js").read_bytes()
+        finally:
+            conn.close()
 
 
 # ---------------------------------------------------------------- the page, in Chromium
@@ -280,18 +306,3 @@ def test_server_text_is_shown_as_text_never_as_html(run, service):
     assert evil in page.citations()[0]
     assert page.page.locator("#injected").count() == 0
     assert page.page.evaluate("window.pwned") is None
-
-
-@pytest.mark.slow
-def test_real_server_refuses_paths_outside_the_static_folder(service):
-    parts = urlsplit(service.url)
-    for path in OUTSIDE + RAW_OUTSIDE:
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
-        try:
-            conn.request("GET", path)  # sent as written: no `..` or %2F normalisation on the way
-            r = conn.getresponse()
-            body = r.read()
-        finally:
-            conn.close()
-        assert r.status in (400, 404), (path, r.status, body[:200])
-        assert b"import" not in body and b"[project]" not in body
