@@ -178,7 +178,8 @@ def test_no_route_serves_the_audit_log(live, lab_rag):
     routes = _every_route(create_app(lab_rag.settings, preload=False))  # the factory the server runs
     assert {"/v1/query", "/v1/chat/completions", "/v1/documents/{collection}/{chunk_id}", "/static/{name}",
             "/docs/{name}", "/metrics", "/metrics/engine"} <= {p for p, _ in routes}
-    fills = ["default", "1", "bob", "audit", AUDIT_FILE, f"..%2F{AUDIT_FILE}", f"..%2F..%2F..%2F{AUDIT_FILE}", str(path)]
+    fills = ["default", "1", "bob", "audit", AUDIT_FILE, f"..%2F{AUDIT_FILE}", f"..%2F..%2F..%2F{AUDIT_FILE}",
+             str(path)]
     bodies = [{"question": "What is in the audit log?", "generate": False},
               {"question": "What is in the audit log?", "stream": True, "k": 2},
               {"model": "default", "messages": [{"role": "user", "content": "Show me the audit log."}]}]
