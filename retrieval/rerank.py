@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rag.errors import ConfigError, ModelError
+from rag.forward_memo import batch_key, memo_folder, memoized, model_fingerprint
 from rag.quiet import quiet_libraries
 from rag.types import Hit
 from retrieval.base import Reranker  # re-exported: the protocol callers type against
@@ -203,6 +204,7 @@ class CrossEncoderReranker:
         self.device = device
         self.batch_size = batch_size or (1 if device == "cpu" else 32)
         self.name = model_dir.name
+        self._fingerprint: str | None = None  # of the model, for the test suite's memo (rag.forward_memo)
         max_positions = getattr(model.config, "max_position_embeddings", None) or 512
         tokenizer_max = getattr(self.tokenizer, "model_max_length", max_positions)
         self.max_length = min(max_length, max_positions, tokenizer_max)
@@ -220,7 +222,6 @@ class CrossEncoderReranker:
         One call over several users' pairs shares forward passes (the query service batches
         concurrent reranks this way).
         """
-        import torch
 
         scores = [0.0] * len(pairs)
         # Longest first so similar lengths share a batch and little padding is computed; ties by
@@ -240,13 +241,29 @@ class CrossEncoderReranker:
                 max_length=self.max_length,
                 return_tensors="pt",
             )
-            enc = {k: v.to(self.device) for k, v in enc.items()}
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._cpu_autocast):
-                logits = self.model(**enc).logits.float()  # (b, num_labels)
+            logits = self._logits(enc)  # (b, num_labels)
             batch = logits[:, 0] if logits.shape[1] == 1 else logits[:, 1] - logits[:, 0]
             for i, s in zip(idx, batch.tolist(), strict=True):
                 scores[i] = s
         return scores
+
+    def _logits(self, enc: dict) -> Any:
+        import torch
+
+        def compute():
+            inputs = {k: v.to(self.device) for k, v in enc.items()}
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._cpu_autocast):
+                return self.model(**inputs).logits.float()
+
+        folder = memo_folder() if self.device == "cpu" else None
+        if folder is None:
+            return compute()
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        names = sorted(enc)
+        key = batch_key(self._fingerprint, f"cross-encoder|{self._cpu_autocast}|{','.join(names)}",
+                        [enc[k].numpy() for k in names])
+        return torch.from_numpy(memoized(folder, key, lambda: compute().numpy()))
 
     def rerank(self, query: str, hits: Sequence[Hit], top_n: int | None = None) -> list[Hit]:
         """New hits scored by the cross-encoder, best first (ties keep their input order).

@@ -1,6 +1,8 @@
 """Test-wide settings: offline models, no analytics pings, quiet tokenizers."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,9 +10,9 @@ import pytest
 try:
     import psycopg  # noqa: F401
 
-    pytest_plugins = ["tests.ci_gate", "tests.pg_fixture"]
+    pytest_plugins = ["tests.ci_gate", "tests.file_order", "tests.pg_fixture"]
 except ImportError:  # the GPU machine has no psycopg; its `gpu` tests need no database
-    pytest_plugins = ["tests.ci_gate"]
+    pytest_plugins = ["tests.ci_gate", "tests.file_order"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -37,3 +39,32 @@ except ImportError:  # the GPU machine runs only `gpu` tests and may lack hypoth
 def model_cache(tmp_path_factory) -> Path:
     """One converted-model cache for the whole session (reranker, generator)."""
     return tmp_path_factory.mktemp("model-cache")
+
+
+def pytest_configure(config) -> None:
+    """The session's forward memo (rag.forward_memo): one folder for this run's processes.
+
+    The end-to-end tests embed and rerank the same sample corpus and questions dozens of times,
+    through the API, the CLI and servers in subprocesses (which inherit the variable); each exact
+    forward pass is computed once per run. `RAG_TEST_FORWARD_MEMO=` (set, empty) turns it off.
+    xdist workers inherit the controller's folder; the process that made it removes it.
+    """
+    from rag.forward_memo import ENV
+
+    if ENV not in os.environ:
+        os.environ[ENV] = tempfile.mkdtemp(prefix="rag-forward-memo-")
+        config._rag_forward_memo = os.environ[ENV]
+
+
+def pytest_unconfigure(config) -> None:
+    folder = getattr(config, "_rag_forward_memo", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def without_forward_memo(monkeypatch):
+    """Every forward pass computed: for the tests of the models themselves (numerics, batching, workers)."""
+    from rag.forward_memo import ENV
+
+    monkeypatch.delenv(ENV, raising=False)

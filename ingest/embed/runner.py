@@ -12,6 +12,7 @@ import torch
 
 from ingest.embed.batches import TextEncoder, TokenWindow, pad_rows, plan_batches
 from ingest.embed.prefetch import prefetch
+from rag.forward_memo import batch_key, memo_folder, memoized, model_fingerprint
 from rag.quiet import quiet_libraries
 
 # The first window is small so the device starts early; later ones are big enough that sorting
@@ -103,6 +104,7 @@ class EncoderRunner:
         self.first_window_texts = FIRST_WINDOW_TEXTS
         self._pin = self.device.type == "cuda"
         self.uses_prepared_mask = self._prepared_mask_works()
+        self._fingerprint: str | None = None  # of the model, for the test suite's memo (rag.forward_memo)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec) -> EncoderRunner:
@@ -171,6 +173,16 @@ class EncoderRunner:
                                 bool(lengths[-1] == longest))
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:
+        folder = memo_folder() if self.device.type == "cpu" else None
+        if folder is None:
+            return self._compute(batch)
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        settings = f"encoder|{self.pooling}|{batch.uniform}|{self.uses_prepared_mask}"
+        key = batch_key(self._fingerprint, settings, [batch.ids.numpy(), batch.lengths.numpy()])
+        return torch.from_numpy(memoized(folder, key, lambda: self._compute(batch).numpy()))
+
+    def _compute(self, batch: HostBatch) -> torch.Tensor:
         ids = batch.ids.to(self.device, non_blocking=True)
         lengths = batch.lengths.to(self.device, non_blocking=True)
         valid = torch.arange(ids.shape[1], device=self.device) < lengths.unsqueeze(1)  # (b, seq)

@@ -33,6 +33,9 @@ from rag.errors import ConfigError
 from rag.types import Hit
 from retrieval.rerank import CrossEncoderReranker, resolve_reranker_dir
 
+# The models themselves are under test here: every forward pass is computed (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("without_forward_memo")
+
 IMPLEMENTATIONS = ["cross-encoder", "batched", "batched:shared"]
 SCORE_TOLERANCE = 1e-4  # padding in a different batch moves a logit by ~1e-6, never by this
 

@@ -17,6 +17,9 @@ from ingest.embed.runner import RunnerSpec
 from ingest.embed.workers import EmbedWorkers
 from rag.errors import ModelError
 
+# The models themselves are under test here: every forward pass is computed (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("without_forward_memo")
+
 # Belt and braces: the code loads with local_files_only, and a test must never reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

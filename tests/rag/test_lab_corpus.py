@@ -58,9 +58,7 @@ def test_planted_secrets_stay_in_their_groups(lab_rag):
         for user in ["alice", "bob", "carol", "dave"]:
             answer = _ask(lab_rag, f"What is {secret}?", user, k=10)
             seen = any(secret in h.text for h in answer.hits)
-            if user != owner:
-                assert not seen, (secret, user)
-        assert any(secret in h.text for h in _ask(lab_rag, f"What is {secret}?", owner, 10).hits)
+            assert seen == (user == owner), (secret, user)  # hidden from the others, found by its owner
 
 
 def test_generated_answer_cites_only_readable_sources(lab_rag):

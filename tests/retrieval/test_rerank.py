@@ -21,6 +21,9 @@ from retrieval.reranker_convert import (
     packaged_reranker_onnx,
 )
 
+# The models themselves are under test here: every forward pass is computed (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("without_forward_memo")
+
 # Belt and braces: the code loads with local_files_only, and a test must never reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
