@@ -23,8 +23,10 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # a base module: only the standard library at the top (tests/test_layering.py)
+    import numpy as np
 
 ENV = "RAG_TEST_FORWARD_MEMO"
 # Bytes of each parameter that go into a model's fingerprint: its head and tail tell apart any two
@@ -56,6 +58,8 @@ def model_fingerprint(model) -> str:
 
 def batch_key(fingerprint: str, settings: str, arrays: Sequence[np.ndarray]) -> str:
     """The key of one forward pass: the model, how it runs, and the exact input arrays."""
+    import numpy as np
+
     digest = hashlib.sha256(f"{fingerprint}|{settings}".encode())
     for array in arrays:
         array = np.ascontiguousarray(array)
@@ -66,6 +70,8 @@ def batch_key(fingerprint: str, settings: str, arrays: Sequence[np.ndarray]) -> 
 
 def memoized(folder: Path, key: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
     """The array stored under key, else compute() stored there (atomically) and returned."""
+    import numpy as np
+
     path = folder / key[:2] / f"{key}.npy"
     try:
         return np.load(path, allow_pickle=False)

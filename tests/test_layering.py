@@ -3,7 +3,8 @@ ones inside functions and those under TYPE_CHECKING: a lazy import is still a de
 
 - `ingest`, `retrieval`, `generation` and `permissions` import from `rag` only its base modules,
   which import nothing from the project but each other, and only the standard library at the
-  top (`rag.quiet` touches transformers lazily, to silence it);
+  top (`rag.quiet` touches transformers lazily, to silence it; `rag.forward_memo`, the test
+  suite's memo of CPU forward passes, numpy and torch);
 - `generation` imports nothing from `ingest`, `retrieval` or `permissions`;
 - `permissions` imports nothing from `ingest`, `retrieval` or `generation`;
 - `retrieval` imports nothing from `ingest` (ingest writes into retrieval's stores, not back),
@@ -20,7 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("rag", "ingest", "retrieval", "generation", "permissions")
-BASE = {"rag.errors", "rag.types", "rag.atomic", "rag.private_files", "rag.quiet", "rag.sqlite_threads"}
+BASE = {"rag.errors", "rag.types", "rag.atomic", "rag.private_files", "rag.quiet", "rag.sqlite_threads",
+        "rag.forward_memo"}
 FORBIDDEN = {  # package -> project packages it must not import
     "ingest": {"generation"},
     "retrieval": {"ingest", "generation"},
