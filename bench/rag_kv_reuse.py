@@ -703,6 +703,7 @@ def main() -> None:
                     return out
 
                 sweeps[mode] = sweep(probe, low, high, args.slo_probes)
+                del probe  # its default argument holds the engine, which must go before the next is built
                 continue
             arrivals = arrivals_for(load, len(streams[load]), capacity)
             before = engine.get_metrics()
@@ -732,6 +733,7 @@ def main() -> None:
         if args.copy_back and "+host" in mode:
             copy_back.append((mode, *copy_back_vs_recompute(engine, corpus), *copy_out_stall(engine, corpus)))
         gc.unfreeze()  # this engine must be collectable before the next one is built
+        trace = None  # a StepTrace holds the engine too
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
