@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 SAMPLE = '''
@@ -52,6 +54,7 @@ def _pytest(tmp_path: Path, ci: str | None, source: str = SAMPLE) -> subprocess.
                            str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_outside_ci_skips_are_skips(tmp_path):
     done = _pytest(tmp_path, None)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -59,6 +62,7 @@ def test_outside_ci_skips_are_skips(tmp_path):
     assert _pytest(tmp_path, None, MODULE_SKIP).returncode == 5  # nothing collected, not a failure
 
 
+@pytest.mark.slow
 def test_in_ci_a_missing_component_fails_with_its_reason(tmp_path):
     done = _pytest(tmp_path, "true")
     out = done.stdout
@@ -70,11 +74,13 @@ def test_in_ci_a_missing_component_fails_with_its_reason(tmp_path):
     assert "1 failed, 2 passed, 1 skipped, 1 xfailed, 1 error" in out
 
 
+@pytest.mark.slow
 def test_in_ci_a_module_that_skips_itself_is_a_collection_error(tmp_path):
     done = _pytest(tmp_path, "true", MODULE_SKIP)
     assert done.returncode == 2 and "ERROR collecting test_sample.py" in done.stdout, done.stdout + done.stderr
     assert "no_such_package_for_the_gate" in done.stdout
 
 
+@pytest.mark.slow
 def test_ci_false_is_not_ci(tmp_path):
     assert _pytest(tmp_path, "false").returncode == 0

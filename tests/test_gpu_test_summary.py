@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_test_summary.py"
 spec = importlib.util.spec_from_file_location("gpu_test_summary", SCRIPT)
@@ -33,6 +35,7 @@ class TestGrouped:
 '''
 
 
+@pytest.mark.slow
 def test_the_page_counts_each_outcome_and_names_what_did_not_pass(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
@@ -65,6 +68,7 @@ def test_a_short_or_missing_commit_is_refused(tmp_path):
     assert [c.outcome for c in summary.read_cases(junit)] == ["passed"]
 
 
+@pytest.mark.slow
 def test_the_gpu_script_runs_every_file_that_has_gpu_tests():
     """scripts/gpu_tests.sh picks files by grep (the rest do not import there): none may be missed."""
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:xdist",

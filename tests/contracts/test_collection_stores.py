@@ -171,6 +171,7 @@ def test_exact_filtered_topk_matches_reference(store):
             _assert_same(default, got)
 
 
+@pytest.mark.slow
 def test_filtered_topk_after_deletes_and_acl_changes(store):
     """Enough chunks that IVF trains, then deletes that compact HNSW / IVF (1200 chunks left)."""
     corpus = Corpus(store, seed=13)

@@ -227,6 +227,7 @@ def _check_reranked(query: str, hits: Sequence[Hit], out: list[Hit], top_n: int 
 # --- the contracts -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_n", [None, 0, 1, 3, 5, 6, 50])
 def test_returns_a_best_first_subset_of_new_hits_with_identities_intact(reranker, cross_encoder, top_n):
     hits = _varied_hits([IRRELEVANT[0], IRRELEVANT[1], RELEVANT, IRRELEVANT[2], IRRELEVANT[3]])
@@ -324,6 +325,7 @@ def test_duplicates_in_different_scoring_batches_still_tie_in_input_order(rerank
     assert out[ids.index(first)].score == out[ids.index(second)].score
 
 
+@pytest.mark.slow
 def test_text_longer_than_the_model_takes_is_truncated_not_an_error(reranker, cross_encoder):
     words = cross_encoder.max_length * 2  # well past the model's positions, in tokens
     long_relevant = RELEVANT + " " + " ".join(["array"] * words)
@@ -348,6 +350,7 @@ UNICODE_TEXTS = [
 ]
 
 
+@pytest.mark.slow
 def test_unicode_text_and_queries(reranker, cross_encoder):
     hits = _varied_hits([*UNICODE_TEXTS, RELEVANT])
     for query in [SLURM, "ジョブ配列の投入方法は？", "🎉 Zürich café", "", "\x00"]:

@@ -231,6 +231,7 @@ def test_windows_and_threads_keep_parity_and_order(embedder: Embedder, reference
     np.testing.assert_allclose(vectors[len(EDGE):], vectors[: len(EDGE)], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_many_texts_of_many_lengths_match_reference(embedder: Embedder) -> None:
     texts = varied_texts(12, max_words=300)
     assert_parity(embedder.embed(texts), reference_vectors(embedder.folder, texts, embedder.max_length), 0.9999)

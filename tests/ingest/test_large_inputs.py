@@ -95,6 +95,7 @@ def _rows(chunks) -> list[tuple]:
     return [(c.index, c.text, c.heading, c.num_tokens, c.metadata) for c in chunks]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["blank-line text", "one-line text", "markdown"])
 def test_streamed_file_gives_the_whole_file_chunks(kind: str, tmp_path: Path, tokenizer, small_blocks) -> None:
     rng = random.Random(kind)
@@ -124,6 +125,7 @@ def _peak_bytes(fn) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 def test_streaming_holds_a_block_not_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Partitioned whole, unstructured holds many times a file (the 50 MB file of the issue reached
     # 1.8 GB RSS); streamed, what is live is a read, a block and unstructured's bounded caches.
@@ -220,6 +222,7 @@ class _CountingEmbedder:
         return vectors
 
 
+@pytest.mark.slow
 def test_a_big_document_is_committed_per_batch_but_appears_whole(tmp_path: Path, embedder, small_blocks) -> None:
     store = _Collection(tmp_path, embedder)
     path = tmp_path / "corpus" / "handbook.md"
@@ -250,6 +253,7 @@ def test_a_big_document_is_committed_per_batch_but_appears_whole(tmp_path: Path,
     store.close()
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_inside_a_document_redoes_at_most_one_batch(tmp_path: Path, embedder,
                                                                       small_blocks) -> None:
     corpus = tmp_path / "corpus"
@@ -315,6 +319,7 @@ def test_a_source_over_the_cap_is_skipped_and_its_stored_version_kept(tmp_path: 
     store.close()
 
 
+@pytest.mark.slow
 def test_cli_reports_skipped_sources_with_size_and_cap(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -57,6 +57,7 @@ def _documents(home: Path) -> int:
     return sum(int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("default:"))
 
 
+@pytest.mark.slow
 def test_cli_refuses_an_empty_root_and_deletes_nothing(tmp_path, home) -> None:
     mount = tmp_path / "mnt" / "lab"
     _corpus(mount, 3)
@@ -81,6 +82,7 @@ def test_cli_refuses_an_empty_root_and_deletes_nothing(tmp_path, home) -> None:
     assert json.loads(meant.stdout)["deleted"] == 3
 
 
+@pytest.mark.slow
 def test_cli_refuses_to_delete_more_than_the_fraction(tmp_path, home) -> None:
     files = _corpus(tmp_path / "lab", 4)
     assert _cli(["ingest", str(tmp_path / "lab")], home).returncode == 0

@@ -67,6 +67,7 @@ def _same_rows(got: list[dict], want: list[dict]) -> None:
         assert np.allclose(g["vector"], w["vector"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_path, embedder):
     corpus = _corpus(tmp_path / "corpus")
     home = tmp_path / "home"
@@ -115,6 +116,7 @@ def test_chunking_change_builds_a_new_version_and_switches_when_complete(tmp_pat
     assert again.build is None and again.unchanged == 8 and again.chunks_written == 0
 
 
+@pytest.mark.slow
 def test_title_context_on_by_default_rebuilds_a_collection_built_without_it(tmp_path, embedder):
     corpus = _corpus(tmp_path / "corpus")
     for i in range(2):  # a section under the page's title: the context it gains is the title

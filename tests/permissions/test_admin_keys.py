@@ -67,6 +67,7 @@ def test_an_older_key_database_gains_the_column_and_no_admins(tmp_path):
     IdentityStore(path).close()  # a second open finds the column there
 
 
+@pytest.mark.slow
 def test_cli_creates_and_lists_admin_keys(tmp_path):
     env = {**os.environ, "RAG_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 

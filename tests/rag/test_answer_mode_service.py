@@ -8,9 +8,13 @@ cache). The state checked is the Rag's own: its `generator` property has never b
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from rag.api.app import create_app
 from tests.rag.live_server import serving
+
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
 
 FREEZER = "What temperature is the -80 freezer alarm set to?"
 

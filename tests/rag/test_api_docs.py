@@ -226,6 +226,7 @@ class OfflinePage:
         self.context.close()
 
 
+@pytest.mark.slow
 def test_the_blocking_blanks_fastapis_cdn_page(browser):
     """FastAPI's own /docs (the page before this one) renders nothing offline: the check below has teeth."""
     cdn_app = FastAPI(title="cdn docs")
@@ -245,6 +246,7 @@ def test_the_blocking_blanks_fastapis_cdn_page(browser):
         offline.close()
 
 
+@pytest.mark.slow
 def test_docs_renders_every_operation_offline_with_its_error_responses(browser, served, spec):
     url, _, _ = served
     offline = OfflinePage(browser)

@@ -24,6 +24,9 @@ from schemathesis import GenerationMode
 from rag.api.app import create_app
 from tests.rag.live_server import serving
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 # A valid chat request may ask for thousands of tokens; answering them is not what this suite
 # checks, and on CPU it would take minutes. Larger asks are lowered to this before sending.

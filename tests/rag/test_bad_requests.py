@@ -17,6 +17,9 @@ from rag.api.app import create_app
 from tests.rag.live_server import serving
 from tests.rag.raw_http import raw_request
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 CAP = 64 * 1024
 MARKER = "zqxj-secret-marker"
 ERROR_KEYS = {"message", "type", "param", "code"}

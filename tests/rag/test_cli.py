@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
 
 

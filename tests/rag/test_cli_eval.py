@@ -13,6 +13,9 @@ import pytest
 
 from tests.rag.test_experiments_sets import make_beir
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
 
 

@@ -30,6 +30,7 @@ def test_the_chat_api_and_the_python_api_agree():
         parse_conversation(HISTORY)
 
 
+@pytest.mark.slow
 def test_rag_query_with_history_searches_the_follow_up_in_context(lab_rag):
     bob = Principal("bob", frozenset({"imaging"}))
 

@@ -31,6 +31,7 @@ def _sources(answer) -> list[str]:
     return [c.source.split("lab-docs/", 1)[1] for c in answer.citations]
 
 
+@pytest.mark.slow
 def test_alice_gets_the_freezer_alarm_threshold_from_the_inventory(demo_rag):
     answer = _ask(demo_rag, FREEZER, "alice")
     assert "-65" in answer.text
@@ -43,6 +44,7 @@ def test_bob_gets_i_dont_know_about_the_freezer(demo_rag):
     assert "-65" not in answer.text
 
 
+@pytest.mark.slow
 def test_bobs_gpu_answer_cites_his_groups_reservation(demo_rag):
     answer = _ask(demo_rag, GPU, "bob")
     assert "imaging/gpu-reservation.txt" in _sources(answer)

@@ -61,6 +61,7 @@ def _repeats(retrieved: list[str]) -> bool:
     return any(n > 1 for n in Counter(retrieved).values())
 
 
+@pytest.mark.slow
 def test_max_hits_per_document_reaches_the_retriever(lab_rag, lab_copy):
     questions = read_questions(QUESTIONS)
     settings = lab_rag.settings

@@ -335,6 +335,7 @@ def scored_sources(lab_rag, monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_the_default_answers_the_freezer_question_by_quoting_the_inventory(lab_rag):
     assert lab_rag.answer_mode == "extract"
     answer = lab_rag.query(FREEZER, lab_rag.principal("alice"), k=3)
@@ -355,6 +356,7 @@ KRAS = "What did the KRAS burden analysis in the CHR-77 cohort find?"  # embargo
     ("dave", GPU, "cryoem-res"), ("dave", GPU, "gpu07"), ("dave", "Why is gpu05 unavailable?", "HBM"),
     ("erin", KRAS, "3.4"), ("erin", KRAS, "KRAS (ENSG"),
 ])
+@pytest.mark.slow
 def test_it_never_quotes_or_scores_text_the_asker_may_not_read(lab_rag, scored_sources, user, question, secret):
     principal = ERIN if user == "erin" else lab_rag.principal(user)
     answer = lab_rag.query(question, principal, k=5)
@@ -421,6 +423,7 @@ def test_the_api_says_which_mode_wrote_the_answer(lab_rag):
     assert body["object"] == "chat.completion"  # the OpenAI shape, with one extension field
 
 
+@pytest.mark.slow
 def test_the_cli_shows_the_mode_in_its_output_and_json(lab_rag):
     env_home = str(lab_rag.settings.home)
     base = [sys.executable, "-m", "rag.cli", "--home", env_home, "query", FREEZER, "--as", "alice", "--k", "3"]

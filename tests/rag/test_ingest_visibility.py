@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 DOCUMENTS = 212
 COUNT = ("SELECT (SELECT count(*) FROM documents WHERE collection = ?), "
          "(SELECT count(*) FROM chunks c JOIN documents d ON d.id = c.document_id WHERE d.collection = ?)")

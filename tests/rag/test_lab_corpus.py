@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from permissions.models import Principal
+
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "examples" / "questions.jsonl"
 

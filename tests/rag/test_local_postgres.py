@@ -318,6 +318,7 @@ def test_fixture_databases_are_isolated_and_dropped(pg_server, pg_dsn, no_saved_
         assert conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (other_name,)).fetchone() is None
 
 
+@pytest.mark.slow
 def test_cli_purge_leaves_no_deleted_text_in_the_local_servers_files(home):
     """`rag db purge` on the local server (started with wal_recycle=off) removes deleted text from its files."""
     import uuid

@@ -31,6 +31,7 @@ def test_unknown_mode_is_a_clear_error(lab_rag):
         lab_rag.query("anything", lab_rag.principal("dave"), generate=False, mode="fuzzy")
 
 
+@pytest.mark.slow
 def test_hybrid_does_at_least_as_well_as_dense(lab_rag, lab_copy):
     """The reason hybrid is the default: measured on both labelled sets, before the reranker."""
     questions = load_questions(EXAMPLES / "questions.jsonl", EXAMPLES / "keyword-questions.jsonl")
@@ -42,6 +43,7 @@ def test_hybrid_does_at_least_as_well_as_dense(lab_rag, lab_copy):
     assert hybrid["mrr@5"] >= dense["mrr@5"] - 0.02, (dense, hybrid)
 
 
+@pytest.mark.slow
 def test_query_with_another_embedder_is_refused(rag_factory, tmp_path, lab_copy):
     rag = rag_factory(tmp_path / "home")
     rag.ingest([lab_copy / "public"])

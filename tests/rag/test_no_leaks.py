@@ -15,6 +15,9 @@ import pytest
 
 from permissions.models import Principal
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 
 class PromptRecorder:
     """A Generator that records every request, then lets the real one answer it."""

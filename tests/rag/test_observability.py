@@ -80,6 +80,7 @@ def _access_lines(captured: _Lines) -> list[dict]:
     return [r for r in records if r["logger"] == "rag.access"]
 
 
+@pytest.mark.slow
 def test_metrics_request_ids_and_json_logs(live):
     url, key, captured = live
     auth = {"Authorization": f"Bearer {key}"}

@@ -21,6 +21,9 @@ import pytest
 from tests.rag.conftest import make_rag
 from tests.rag.serve_fixture import Service, prepare_home, running_service
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 RESERVATION_Q = "Which Slurm reservation does the imaging group have on the GPU nodes?"
 
 

@@ -69,6 +69,7 @@ def test_acl_change_applies_without_reembedding(pg_lab, tmp_path):
     assert not pg.query(question, alice, collection="acl-change", generate=False, rerank=False).hits
 
 
+@pytest.mark.slow
 def test_cli_over_pgvector(pg_lab, lab_copy, tmp_path):
     pg, dsn, _ = pg_lab
     env_home = pg.settings.home  # users live in the data directory; chunks in PostgreSQL

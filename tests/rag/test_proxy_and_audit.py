@@ -119,6 +119,7 @@ def _same_documents(audited: list[str], citations: list[dict]) -> bool:
     return all(key.endswith("/" + name) for key, name in zip(audited, shown, strict=True))
 
 
+@pytest.mark.slow
 def test_every_question_is_audited_without_its_text(live, lab_rag):
     url, _, path = live
     bob = lab_rag.identity.create_key("bob", ["imaging"])
@@ -167,6 +168,7 @@ def _every_route(app) -> list[tuple[str, set[str]]]:
     return [(c.path, set(c.methods or ())) for c in iter_route_contexts(app.routes)]
 
 
+@pytest.mark.slow
 def test_no_route_serves_the_audit_log(live, lab_rag):
     url, _, path = live
     marker = f"auditmarker{os.urandom(6).hex()}"
@@ -197,6 +199,7 @@ def test_no_route_serves_the_audit_log(live, lab_rag):
     assert requested > 100
 
 
+@pytest.mark.slow
 def test_audit_questions_keeps_the_question_text(lab_rag, tmp_path):
     settings = lab_rag.settings.model_copy(update={"device": "cpu", "audit_questions": True})
     with serving(create_app(settings, preload=False)) as url:

@@ -20,6 +20,9 @@ import pytest
 from rag.query_client import ServerQueryError, load_hint, loading_dominates, query_server, response_to_dict
 from tests.rag.serve_fixture import Service, free_port, prepare_home, running_service
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
 RESERVATION_Q = "Which Slurm reservation does the imaging group have on the GPU nodes?"
 

@@ -27,6 +27,9 @@ from rag import quiet
 from rag.progress import IngestProgress, show_progress
 from rag.quiet import GGUF_CONVERTER, quiet_libraries
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 LAB_DOCS = REPO / "examples" / "lab-docs"
 OUR_BAR = re.compile(r"\b(documents|embedding) .*\d+(/\d+)? (docs|chunks)")  # rag/progress.py's columns

@@ -14,6 +14,9 @@ import pytest
 
 from tests.rag.serve_fixture import Service, prepare_home, running_service
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 if TYPE_CHECKING:
     from tests.rag.engine_server_fixture import EngineServer
 

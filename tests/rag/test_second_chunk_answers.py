@@ -43,6 +43,7 @@ def _write_corpus(root) -> dict[str, str]:
     return codes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer_mode", ["extract", "generate"])
 def test_answers_read_second_chunks_of_readable_pages_only(tmp_path, rag_factory, answer_mode) -> None:
     codes = _write_corpus(tmp_path / "corpus")

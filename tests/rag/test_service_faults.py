@@ -28,6 +28,7 @@ def live(lab_rag):
         yield app, url, key
 
 
+@pytest.mark.slow
 def test_engine_failure_is_503_and_readyz_says_so_and_retrieval_goes_on(live):
     app, url, key = live
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)

@@ -20,6 +20,9 @@ from rag.shards.run import ingest_shard, resolve_shard
 from tests.pg_fixture import fresh_database
 from tests.rag.conftest import LAB_DOCS, REPO, rag_factory  # noqa: F401 - rag_factory is a fixture
 
+# Starts servers or runs the pipeline end to end: out of the quick loop (pytest -m 'not slow').
+pytestmark = pytest.mark.slow
+
 N = 3
 QUERIES = ["Which GPU nodes can I use?", "How do I book the cryo-EM microscope?", "storage quota"]
 PRINCIPALS = [Principal("dave"), Principal("bob", frozenset({"imaging"}))]

@@ -18,6 +18,7 @@ def server(lab_rag):
         yield url, {"Authorization": f"Bearer {key}"}
 
 
+@pytest.mark.slow
 def test_citations_and_documents_show_paths_under_the_ingest_root(server, lab_copy, lab_rag):
     url, headers = server
     query = httpx.post(f"{url}/v1/query", headers=headers, timeout=300, json={"question": QUESTION, "generate": False})

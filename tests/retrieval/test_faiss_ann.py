@@ -26,6 +26,7 @@ def data():
     return ids, _unit(rng, N), _unit(rng, 20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["faiss-hnsw", "faiss-ivf"])
 def test_broad_filter_recall_and_full_k(kind, data):
     ids, vecs, queries = data

@@ -9,6 +9,7 @@ contain the searched identifier.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from rag.types import Chunk, Document
 from retrieval.stores.pgvector.collection import PgvectorCollection, create_collection
@@ -59,6 +60,7 @@ def _work(plan: dict) -> list[tuple[str, int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_unreadable_matches_cost_a_reader_nothing(pg_server):
     with fresh_database(pg_server) as with_dsn, fresh_database(pg_server) as without_dsn:
         with_term, without = _fill(with_dsn, "ZX-4471"), _fill(without_dsn, "XQ-9000")

@@ -197,6 +197,7 @@ def test_exact_search_equals_numpy_filtered_topk(coll):
     assert coll.search(_unit(rng, 1)[0], 5, []) == []
 
 
+@pytest.mark.slow
 def test_iterative_scan_returns_k_hits_for_a_1_percent_principal(pg_dsn):
     # Seq and bitmap scans off: the planner must use the HNSW index even for a selective
     # filter (it would rightly prefer the ACL's GIN index on so small a table otherwise).

@@ -211,6 +211,7 @@ def test_bad_paths_are_model_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_scores_do_not_depend_on_the_batch_size(model_dir: Path, reranker: CrossEncoderReranker) -> None:
     # Pairs are sorted by length before batching, so each batch size pads differently: the
     # scores must not move.

@@ -225,6 +225,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert {k: s.acl for k, s in states.items()} == {k: d.acl for k, d in self.ref.docs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_no_store_shows_what_it_should_not(kind, request):
     pg = request.getfixturevalue("pg_server") if kind.startswith("pgvector") else None
@@ -252,6 +253,7 @@ def split_corpus(draw):
 @pytest.mark.parametrize("kind", ["faiss", "pgvector"])
 @settings(max_examples=scaled(8, 200), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.mark.slow
 @given(case=split_corpus(), data=st.data())
 def test_unreadable_documents_change_nothing_a_principal_gets(kind, request, case, data):
     """Results, their order and their scores are the same with and without the unreadable documents:
