@@ -83,7 +83,6 @@ def test_every_ingested_document_is_visible_to_other_readers_while_the_rag_is_op
     assert _count_in_another_process(catalog) == expected
 
 
-@pytest.mark.slow  # ingests the corpus twice more
 def test_a_rebuild_is_visible_to_other_readers_and_to_a_rag_left_open(corpus, rag_factory, tmp_path):
     home = tmp_path / "home"
     service = rag_factory(home, ingest_batch_chunks=16)  # a long-lived reader, as `rag serve` is

@@ -142,7 +142,6 @@ def test_shards_then_merge_equal_one_job(tmp_path, rag_factory, corpus, single):
     assert_same_collection(rag, single, queries=False)
 
 
-@pytest.mark.slow  # three `rag ingest` processes at once, each loading torch and the model: a minute or more
 def test_concurrent_shard_jobs_from_the_cli(tmp_path, rag_factory, corpus, single):  # noqa: F811
     home = tmp_path / "home"
     rag_factory(home).close()  # the data directory with its model cache, as a user would have it
