@@ -182,6 +182,16 @@ def _generation_eos_ids(model_dir: Path) -> list[int]:
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# Weight quantization (EngineConfig.quantization): None keeps the checkpoint's dtype; "fp8" runs
+# the decoder's linear layers in e4m3 (a bf16 checkpoint is quantized at load, an FP8 checkpoint
+# is loaded as it is).
+QUANTIZATION_CHOICES = ("fp8",)
+# KV cache storage (EngineConfig.kv_cache_dtype): "auto" is the model's dtype, "fp8" is e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8")
+# Where the weights come from (EngineConfig.load_format): "auto" reads the folder's safetensors;
+# "dummy" fills random weights straight on the device from config.json alone (benchmarks of big
+# shapes: no checkpoint on disk, and with quantization="fp8" no bf16 copy ever exists).
+LOAD_FORMATS = ("auto", "dummy")
 KV_REUSE_MODES = ("exact", "chunks")
 # What a request does with a chunk whose canonical KV is not cached (EngineConfig.chunk_miss).
 CHUNK_MISS_CHOICES = ("wait", "in_place")
@@ -253,6 +263,25 @@ class EngineConfig:
             the PCIe bus, which cost exact-prefix traffic throughput when every block was copied
             (docs/benchmarks.md); 0 admits every published block. Range >= 0.
 
+        quantization: None (the default) runs the weights in `dtype`; "fp8" stores the decoder's
+            linear layers (q/k/v/o, gate/up/down) in e4m3 with one fp32 scale per output channel
+            and quantizes each token's activations on the fly (dynamic per-token scales): half
+            the bytes a decode step streams, and FP8 tensor cores for prefill on Hopper/Ada. A
+            bf16/fp32 checkpoint is quantized while it loads; a published FP8 checkpoint
+            (compressed-tensors "FP8-dynamic", or `quant_method: fp8` with per-channel
+            `weight_scale`) loads as it is and needs this set (it is set for you when the folder's
+            config says so). The embedding, LM head and norms stay in `dtype`. On CPU (and GPUs
+            without FP8) the layers compute through the reference path: dequantize, fp32 matmul.
+        kv_cache_dtype: "auto" (the default) stores KV in `dtype`; "fp8" stores it in e4m3 with a
+            per-layer scale for K and one for V (from the checkpoint's `k_scale`/`v_scale` where it
+            has them, else 1.0): twice the tokens in the same memory. Works with the prefix cache,
+            chunk reuse (keys re-rotated in fp32 and re-quantized) and the host tier.
+
+        load_format: "auto" (the default) loads the folder's safetensors weights; "dummy" makes
+            random weights (normal, std 0.02, seeded) directly on the device from config.json
+            alone, in FP8 when quantization="fp8": for speed benchmarks of shapes whose
+            checkpoint is not at hand (a 70B model on one GPU). Its answers are noise.
+
     Raises:
         ValueError: a value out of range.
     """
@@ -275,6 +304,9 @@ class EngineConfig:
     chunk_miss: str = "in_place"
     host_kv_blocks: int = 0
     host_kv_admit_uses: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         # The limits the scheduler shares are checked by the same function it uses, so both
@@ -298,6 +330,14 @@ class EngineConfig:
             raise ValueError("host_kv_blocks > 0 keeps prefix-cache blocks: enable_prefix_caching must be on")
         if self.host_kv_admit_uses < 0:
             raise ValueError(f"host_kv_admit_uses must be >= 0 (0 admits every block), got {self.host_kv_admit_uses}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; valid: None, {', '.join(QUANTIZATION_CHOICES)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; valid: {', '.join(KV_CACHE_DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not supported; valid: {', '.join(LOAD_FORMATS)}")
         # The recompute choice is checked where it lives (ChunkRecompute), with its own words.
         self.chunk_recompute_choice()
 
