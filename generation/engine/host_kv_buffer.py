@@ -9,6 +9,7 @@ import torch
 
 from generation.engine.copy_landing import CopyLanding
 from generation.engine.kv_cache_sizing import GIB, STAGING_BLOCKS, staging_size
+from generation.layers.kv_fp8 import as_bytes
 from rag.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,11 @@ class HostKVBuffer:
     More noted blocks than staging holds: the gather is done and staging is refilled after its
     copies (the step then waits for those, as before). The host never reads the buffer itself.
 
+    The buffer and staging have the cache's dtype; an FP8 (e4m3) cache's blocks are copied
+    through uint8 views of all three (float8 lacks some copy and index kernels): the same bytes
+    come back, and the layer scales (ModelRunner.kv_scales) never change, so a block restored
+    from the host reads exactly as it did before it left.
+
     Args:
         kv_cache: the engine's KV tensor.
         num_blocks: host slots (>= 1).
@@ -71,6 +77,9 @@ class HostKVBuffer:
                 device=kv_cache.device,
             )
             self.stream = torch.cuda.Stream(kv_cache.device)
+        # Byte views for the copies (the tensors themselves unless the cache is FP8).
+        self._kv = as_bytes(kv_cache)
+        self._staging = as_bytes(self.staging) if self.staging is not None else None
         self._noted: list[tuple[int, int]] = []  # (GPU block, host slot) not gathered yet, in order
         self._busy: torch.cuda.Event | None = None  # after the last copy from staging to host
         self.landing = CopyLanding()  # copies back still in flight (CUDA only; on CPU they are done at once)
@@ -86,13 +95,14 @@ class HostKVBuffer:
                 f"cannot allocate the host KV tier ({num_blocks} blocks, {size_gib:.2f} GiB"
                 f"{' pinned' if pin else ''}): {exc}. Lower host_kv_blocks or set it to 0 (off)."
             ) from exc
+        self._host = as_bytes(self.blocks)
         logger.info("host KV tier: %d blocks, %.2f GiB%s", num_blocks, size_gib, " pinned" if pin else "")
 
     def swap_out(self, block_id: int, slot: int) -> None:
         """Copy GPU block block_id (every layer, K and V) into host slot `slot`, before the next step."""
         if self.staging is None:
             with torch.no_grad():
-                self.blocks[slot].copy_(self.kv_cache[:, :, block_id])
+                self._host[slot].copy_(self._kv[:, :, block_id])
             return
         if len(self._noted) == len(self.staging):
             self._copy_noted()
@@ -102,13 +112,13 @@ class HostKVBuffer:
         """Copy host slot `slot` into GPU block block_id (on CUDA beside the compute stream; see the class)."""
         with torch.no_grad():
             if self.staging is None:
-                self.kv_cache[:, :, block_id].copy_(self.blocks[slot])
+                self._kv[:, :, block_id].copy_(self._host[slot])
                 return
             if not self.overlap_copy_back:
                 self._copy_noted()
                 if self._busy is not None:  # the slot's copy out has landed
                     torch.cuda.current_stream(self.kv_cache.device).wait_event(self._busy)
-                self.kv_cache[:, :, block_id].copy_(self.blocks[slot], non_blocking=True)
+                self._kv[:, :, block_id].copy_(self._host[slot], non_blocking=True)
                 return
             if self._noted:
                 self._copy_noted()  # closes the open group; the copy stream then follows the gather
@@ -117,7 +127,7 @@ class HostKVBuffer:
                 ready.record(torch.cuda.current_stream(self.kv_cache.device))
                 self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                self.kv_cache[:, :, block_id].copy_(self.blocks[slot], non_blocking=True)
+                self._kv[:, :, block_id].copy_(self._host[slot], non_blocking=True)
             self.landing.add(block_id)
 
     def end_restore(self) -> None:
@@ -174,13 +184,13 @@ class HostKVBuffer:
             if self._busy is not None:
                 compute.wait_event(self._busy)  # staging is still being read by the last copies
             for i, (block_id, _) in enumerate(self._noted):
-                self.staging[i].copy_(self.kv_cache[:, :, block_id])
+                self._staging[i].copy_(self._kv[:, :, block_id])
             gathered = torch.cuda.Event()
             gathered.record(compute)
             self.stream.wait_event(gathered)
             with torch.cuda.stream(self.stream):
                 for i, (_, slot) in enumerate(self._noted):
-                    self.blocks[slot].copy_(self.staging[i], non_blocking=True)
+                    self._host[slot].copy_(self._staging[i], non_blocking=True)
                 self._busy = torch.cuda.Event()
                 self._busy.record(self.stream)
         self._noted.clear()

@@ -8,7 +8,8 @@ import math
 import torch
 
 from generation.config import EngineConfig, ModelConfig
-from generation.layers.attention import AttentionMetadata, KVCache
+from generation.engine.kv_cache_dtype import kv_cache_scales
+from generation.layers.attention import AttentionMetadata, layer_kv_caches
 from generation.layers.sampler import sample
 from generation.models.llama import LlamaForCausalLM
 from generation.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ def kv_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tup
 
 
 def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
+    """Bytes of one KV block over all layers (K and V), stored in `dtype` (the cache's: 1 byte for FP8)."""
     return math.prod(kv_shape(model_config, 1, block_size)) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -46,20 +47,32 @@ def staging_size(host_blocks: int, staging_blocks: int = STAGING_BLOCKS) -> int:
 
 
 def decide_num_blocks(
-    model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int
+    model: LlamaForCausalLM,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
-    """KV blocks to allocate: config.num_kv_blocks, else a CPU default, else what the GPU has room for."""
+    """KV blocks to allocate: config.num_kv_blocks, else a CPU default, else what the GPU has room for.
+
+    Args:
+        dtype: the model's dtype (the profiling pass's activations).
+        kv_dtype: the cache's storage dtype (resolve_kv_cache_dtype), `dtype` when None. Blocks are
+            counted in its bytes, so an FP8 cache holds twice the tokens of a bf16 one.
+    """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    kv_dtype = kv_dtype or dtype
     # More than max_num_seqs full-length sequences can never be in use; a small model on a big
     # GPU would otherwise get tens of millions of blocks, and the block manager's lists with them.
     useful = math.ceil(config.max_num_seqs * max_model_len / config.block_size)
-    per_block = block_bytes(model.config, config.block_size, dtype)
+    per_block = block_bytes(model.config, config.block_size, kv_dtype)
     if device.type != "cuda":
         tokens = max(max_model_len, config.max_num_seqs * CPU_TOKENS_PER_SEQ)
         blocks = math.ceil(tokens / config.block_size)
         return max(1, min(blocks, useful, CPU_KV_CACHE_BYTES // per_block))
-    activation_bytes = profile_activation_bytes(model, config, device, dtype, max_model_len)
+    activation_bytes = profile_activation_bytes(model, config, device, dtype, max_model_len, kv_dtype)
     free, total = torch.cuda.mem_get_info(device)
     # `used` holds the weights, the CUDA context, cuBLAS workspaces and other processes' memory.
     used = total - free
@@ -77,13 +90,20 @@ def decide_num_blocks(
 
 @torch.inference_mode()
 def profile_activation_bytes(
-    model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int
+    model: LlamaForCausalLM,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Peak memory of a forward + sampling at max_num_batched_tokens, beyond the weights.
 
-    The pass needs a KV cache to write to; a temporary one just large enough is allocated and
-    its size is taken back out of the peak.
+    The pass needs a KV cache to write to; a temporary one just large enough (in `kv_dtype`, the
+    model's dtype when None, so the pass runs the kernels serving will) is allocated and its
+    size is taken back out of the peak.
     """
+    kv_dtype = kv_dtype or dtype
     block_size = config.block_size
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -93,9 +113,10 @@ def profile_activation_bytes(
     seq_len = min(max_model_len, num_tokens)
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
     blocks = [math.ceil(n / block_size) for n in lens]
-    kv = torch.zeros(kv_shape(model.config, sum(blocks), block_size), dtype=dtype, device=device)
-    temp_bytes = kv.numel() * kv.element_size()
-    kv_caches: list[KVCache] = [(layer[0], layer[1]) for layer in kv]
+    kv = torch.zeros(kv_shape(model.config, sum(blocks), block_size), dtype=kv_dtype, device=device)
+    scales = kv_cache_scales(model, model.config.num_hidden_layers, kv_dtype, device)
+    temp_bytes = kv.numel() * kv.element_size() + (scales.numel() * scales.element_size() if scales is not None else 0)
+    kv_caches = layer_kv_caches(kv, scales)
     first_block = [0]
     for b in blocks[:-1]:
         first_block.append(first_block[-1] + b)
@@ -120,7 +141,7 @@ def profile_activation_bytes(
     sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] + [SamplingParams()] * (rows - 1), [None] * rows)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    del kv, kv_caches, meta, hidden, logits
+    del kv, scales, kv_caches, meta, hidden, logits
     torch.cuda.empty_cache()
     return max(0, peak - base - temp_bytes)
 

@@ -15,10 +15,11 @@ from generation.config import EngineConfig, ModelConfig
 from generation.engine.decode_graphs import DecodeGraphs
 from generation.engine.decode_inputs import DecodeInputs, block_table_rows
 from generation.engine.host_kv_buffer import HostKVBuffer
+from generation.engine.kv_cache_dtype import kv_cache_scales, resolve_kv_cache_dtype
 from generation.engine.kv_cache_sizing import GIB, decide_num_blocks, fit_max_model_len, kv_shape
 from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
-from generation.layers.attention import AttentionMetadata, KVCache
+from generation.layers.attention import AttentionMetadata, KVCache, layer_kv_caches
 from generation.layers.kernel_choice import triton_fused_for, triton_kv_copy_for
 from generation.layers.kernel_warmup import compile_attention_variants
 from generation.layers.linear import Linear
@@ -118,14 +119,18 @@ class ModelRunner:
             )  # fmt: skip
         wanted_len = config.max_model_len or context
         self._choose_matmul_kernels()  # before the KV cache is sized: its timing buffers are freed by then
-        self.num_kv_blocks = decide_num_blocks(self.model, config, self.device, self.dtype, wanted_len)
+        # The KV tensor's storage: the model's dtype, or e4m3 with per-layer K/V scales (kv_scales).
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.num_kv_blocks = decide_num_blocks(self.model, config, self.device, self.dtype, wanted_len, self.kv_dtype)
         self.max_model_len = fit_max_model_len(
             self.num_kv_blocks, self.block_size, wanted_len, explicit=config.max_model_len is not None
         )
         # Zeros, not empty: padding reads of the reference path must not meet NaN garbage.
         shape = kv_shape(self.model_config, self.num_kv_blocks, self.block_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches: list[KVCache] = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        # [layers, 2] fp32 (K, V) for an FP8 cache, else None; the kernels read them by pointer.
+        self.kv_scales = kv_cache_scales(self.model, self.model_config.num_hidden_layers, self.kv_dtype, self.device)
+        self.kv_caches: list[KVCache] = layer_kv_caches(self.kv_cache, self.kv_scales)
         # The host tier's memory (EngineConfig.host_kv_blocks); its bookkeeping is the block manager's.
         self.host_kv = HostKVBuffer(self.kv_cache, config.host_kv_blocks) if config.host_kv_blocks else None
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
@@ -133,7 +138,7 @@ class ModelRunner:
         logger.info(
             "KV cache: %d tokens (%d blocks of %d, %.2f GiB, %s); max concurrency at max_model_len %d: %.2fx",
             num_tokens, self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GIB,
-            self.dtype, self.max_model_len, num_tokens / self.max_model_len,
+            self.kv_dtype, self.max_model_len, num_tokens / self.max_model_len,
         )  # fmt: skip
         self.num_scheduler_steps = config.scheduler_steps_on(self.device.type)
         # Decode steps read their inputs from here: one host-to-device copy per batch.
@@ -149,9 +154,11 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         if cuda and attention_backend(self.device) == "triton":
             # Now, not at the first step of a shape that needs one: a compile stalls a step for seconds.
+            first = self.kv_caches[0]
             compile_attention_variants(
-                self.kv_caches[0][0], self.kv_caches[0][1], self.model_config.num_attention_heads,
+                first.k_cache, first.v_cache, self.model_config.num_attention_heads,
                 config.max_num_seqs, self.max_blocks_per_seq, config.max_num_batched_tokens,
+                q_dtype=self.dtype, k_scale=first.k_scale, v_scale=first.v_scale,
             )  # fmt: skip
             from generation.engine.triton_advance import advance_decode_rows
 
@@ -233,7 +240,8 @@ class ModelRunner:
 
         Chunk KV reuse, KV-REUSE.md B4 option B: a chunk cached at one position is copied into a
         request's private blocks at another, keys re-rotated once in fp32 (`rerotate_keys`): by
-        torch (`copy_blocks_rerotated`), or on CUDA in one Triton launch (`triton_kv_copy`).
+        torch (`copy_blocks_rerotated`), or on CUDA in one Triton launch (`triton_kv_copy`). An FP8
+        cache's keys are dequantized, re-rotated and quantized again with their layer's K scale.
 
         Args:
             copies: (source block, destination block, position delta); sources are only read.
@@ -241,11 +249,12 @@ class ModelRunner:
         if not copies:
             return
         inv_freq = self.model.model.rotary_emb.inv_freq
+        k_scales = self.kv_scales[:, 0] if self.kv_scales is not None else None
         fused = triton_kv_copy_for(self.kv_cache)
         if fused is not None:  # one launch for every copy, the indices sent without a host sync
-            fused.copy_rerotate_blocks(self.kv_cache, copies, inv_freq)
+            fused.copy_rerotate_blocks(self.kv_cache, copies, inv_freq, k_scales)
             return
-        copy_blocks_rerotated(self.kv_cache, copies, inv_freq)
+        copy_blocks_rerotated(self.kv_cache, copies, inv_freq, k_scales)
 
     def _launch_first(
         self, batch: ScheduledBatch, params: list[SamplingParams], generators: list[torch.Generator | None]

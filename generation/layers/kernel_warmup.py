@@ -90,8 +90,14 @@ def compile_attention_variants(
     max_num_seqs: int,
     max_blocks_per_seq: int,
     max_prefill_tokens: int,
+    q_dtype: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> int:
     """Launch decode and prefill attention once per kernel variant (CUDA); returns the launches made.
+
+    The launches read the engine's own cache, so an FP8 cache compiles the FP8 variants (the
+    FP8_KV constexpr), which are the ones serving uses.
 
     Args:
         k_cache, v_cache: one layer's cache ([blocks, block_size, kv_heads, head_dim]); only read.
@@ -99,12 +105,17 @@ def compile_attention_variants(
         max_num_seqs: most rows of a decode step.
         max_blocks_per_seq: widest block table a step can have.
         max_prefill_tokens: most new tokens of a prefill step.
+        q_dtype: the queries' dtype (the model's), the cache's when None (it must be given for an
+            FP8 cache, whose dtype no query has).
+        k_scale, v_scale: an FP8 cache's [1] fp32 scales; None otherwise.
     """
     # Here, not at module level: Triton is only there where CUDA is.
     from generation.layers import triton_attention, triton_decode
 
     started = time.monotonic()
-    device, dtype = k_cache.device, k_cache.dtype
+    device, dtype = k_cache.device, q_dtype or k_cache.dtype
+    assert dtype != torch.float8_e4m3fn, "an FP8 cache needs q_dtype, the model's dtype"
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     scale = head_dim**-0.5
     decodes, prefills = variant_shapes(
@@ -114,13 +125,13 @@ def compile_attention_variants(
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
         lens = torch.ones(batch, dtype=torch.int32, device=device)
-        triton_decode.paged_decode_attention(q, k_cache, v_cache, lens, tables, scale)
+        triton_decode.paged_decode_attention(q, k_cache, v_cache, lens, tables, scale, **scales)
     for tokens, width in prefills.values():
         q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype, device=device)
         cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         lens = torch.tensor([tokens], dtype=torch.int32, device=device)
         tables = torch.zeros(1, width, dtype=torch.int32, device=device)
-        triton_attention.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, scale)
+        triton_attention.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, scale, **scales)
     torch.cuda.synchronize(device)
     launches = len(decodes) + len(prefills)
     elapsed = time.monotonic() - started

@@ -6,11 +6,16 @@ import torch
 import torch.nn.functional as F
 
 from generation.layers.kernel_choice import triton_attention_for, triton_available
+from generation.layers.kv_fp8 import gather_values, is_fp8, store_rows
 
 # Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]. The
 # token at position p of sequence i lives in slot block_tables[i, p // block_size] * block_size +
 # p % block_size, i.e. row `slot` of the cache viewed as [num_blocks * block_size, num_kv_heads,
 # head_dim]. Query head h reads KV head h // (num_heads // num_kv_heads).
+#
+# An FP8 cache (float8_e4m3fn) stores x / scale, one fp32 scale per layer for K (k_scale) and one
+# for V (v_scale), each a [1] tensor the kernels read by pointer; stores quantize (saturating at
+# +-448), attention dequantizes what it reads. Caches in the model's dtype take no scales.
 
 
 # --------------------------------------------------------------------------------------------------
@@ -24,14 +29,24 @@ def attention_backend(device: torch.device | str) -> str:
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v ([num_tokens, num_kv_heads, head_dim]) into cache slots; slot -1 skips the token."""
+    """Write k, v ([num_tokens, num_kv_heads, head_dim]) into cache slots; slot -1 skips the token.
+
+    An FP8 cache needs k_scale and v_scale ([1] fp32): it stores k / k_scale and v / v_scale.
+    """
+    _check_scales(k_cache, k_scale, v_scale)
     backend = triton_attention_for(k)
     if backend is not None:
-        backend.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        backend.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_prefill_attention(
@@ -43,6 +58,8 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens to their sequences' cached prefix and to each other.
 
@@ -56,16 +73,18 @@ def paged_prefill_attention(
         scale: softmax scale, usually 1 / sqrt(head_dim).
         out: where to write the result (a [total_new_tokens, num_heads, head_dim] view with
             unit head-dim stride), else a new tensor.
+        k_scale, v_scale: [1] fp32 scales of an FP8 cache (values = stored * scale); None otherwise.
 
     Returns:
         [total_new_tokens, num_heads, head_dim] in q's dtype (`out` when given).
     """
+    _check_scales(k_cache, k_scale, v_scale)
     backend = triton_attention_for(q)
     if backend is not None:
         return backend.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                               out=out)  # fmt: skip
+                                               out=out, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     return _into(out, paged_prefill_attention_torch(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                                                    scale))  # fmt: skip
+                                                    scale, k_scale, v_scale))  # fmt: skip
 
 
 def paged_decode_attention(
@@ -76,15 +95,26 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens.
 
-    `out`, when given, receives the result (as in paged_prefill_attention).
+    `out`, when given, receives the result; k_scale, v_scale are an FP8 cache's scales (as in
+    paged_prefill_attention).
     """
+    _check_scales(k_cache, k_scale, v_scale)
     backend = triton_attention_for(q)
     if backend is not None:
-        return backend.paged_decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, out=out)
-    return _into(out, paged_decode_attention_torch(q, k_cache, v_cache, context_lens, block_tables, scale))
+        return backend.paged_decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, out=out,
+                                              k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    return _into(out, paged_decode_attention_torch(q, k_cache, v_cache, context_lens, block_tables, scale,
+                                                   k_scale, v_scale))  # fmt: skip
+
+
+def _check_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    # Cheap (no device access): an FP8 cache read or written without its scales would be off by them.
+    assert (k_scale is not None and v_scale is not None) == is_fp8(cache), "FP8 caches, and only they, take scales"
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
@@ -100,14 +130,19 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 
 def store_kvcache_torch(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Reference store_kvcache: an index_copy_ into the cache viewed as one row per slot."""
+    """Reference store_kvcache: an index_copy_ into the cache viewed as one row per slot (quantized for FP8)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    # view(), not reshape(): the copy must land in the cache itself, so it has to be contiguous.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    store_rows(k_cache, slots, k[keep], k_scale)
+    store_rows(v_cache, slots, v[keep], v_scale)
 
 
 def paged_prefill_attention_torch(
@@ -118,8 +153,13 @@ def paged_prefill_attention_torch(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference paged_prefill_attention: per sequence, gather its K/V and run masked attention in fp32."""
+    """Reference paged_prefill_attention: per sequence, gather its K/V and run masked attention in fp32.
+
+    An FP8 cache's K/V are dequantized to fp32 (stored * scale) before attending.
+    """
     out = torch.empty_like(q)
     # One host transfer for all bounds (a sync on CUDA, which the reference accepts).
     starts = cu_seqlens_q.tolist()
@@ -133,8 +173,8 @@ def paged_prefill_attention_torch(
         assert 0 < n_new <= ctx, "context_lens must count the new tokens too"
         num_blocks = -(-ctx // block_size)
         blocks = block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        k = gather_values(k_cache, blocks, k_scale).flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        v = gather_values(v_cache, blocks, v_scale).flatten(0, 1)[:ctx]
         # New token j sits at absolute position ctx - n_new + j and sees keys 0 .. that position.
         q_pos = torch.arange(ctx - n_new, ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
@@ -150,8 +190,13 @@ def paged_decode_attention_torch(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference paged_decode_attention: gathers the whole batch's blocks at once, masks past each length."""
+    """Reference paged_decode_attention: gathers the whole batch's blocks at once, masks past each length.
+
+    An FP8 cache's K/V are dequantized to fp32 (stored * scale) before attending.
+    """
     block_size = k_cache.shape[1]
     tables = block_tables
     if not q.is_cuda:
@@ -160,8 +205,8 @@ def paged_decode_attention_torch(
         tables = tables[:, : -(-int(context_lens.max()) // block_size)]
     # Padding entries (-1) point at block 0; the length mask hides whatever they hold.
     pages = tables.clamp(min=0).long()
-    k = k_cache[pages].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
-    v = v_cache[pages].flatten(1, 2)
+    k = gather_values(k_cache, pages, k_scale).flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
+    v = gather_values(v_cache, pages, v_scale).flatten(1, 2)
     k_pos = torch.arange(k.shape[1], device=q.device)
     mask = k_pos[None, :] < context_lens[:, None]  # [B, T]
     return _attend(q[:, None], k, v, mask[:, None], scale)[:, 0]

@@ -7,7 +7,9 @@ vector omega depends on neither the position nor the sequence length. That holds
 not for dynamic-NTK, LongRoPE or YaRN-style schemes, which `check_rerotatable` refuses.
 
 The rotation is done once by delta, in fp32, then cast back to the cache dtype: one rounding,
-where un-rotating and re-rotating in bf16 (as LMCache does) would round twice.
+where un-rotating and re-rotating in bf16 (as LMCache does) would round twice. An FP8 cache's keys
+are dequantized with their layer's K scale, rotated in fp32 and quantized again with the same
+scale (one e4m3 rounding); its values are copied as bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from generation.layers.kv_fp8 import FP8_KV_DTYPE, dequantize_fp8, is_fp8, quantize_fp8
 
 # Schemes whose frequency vector is fixed per model (see the module docstring).
 REROTATABLE_ROPE_TYPES = ("default", "linear", "llama3")
@@ -60,7 +64,12 @@ def rerotate_keys(k: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.
     return out.to(k.dtype)
 
 
-def copy_blocks_rerotated(kv_cache: torch.Tensor, copies: list[tuple[int, int, int]], inv_freq: torch.Tensor) -> None:
+def copy_blocks_rerotated(
+    kv_cache: torch.Tensor,
+    copies: list[tuple[int, int, int]],
+    inv_freq: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+) -> None:
     """Copy KV blocks within the cache (every layer), keys moved by each copy's delta: the torch path.
 
     One gather and one scatter per distinct delta (a chunk's blocks share one), not per block. The
@@ -70,7 +79,10 @@ def copy_blocks_rerotated(kv_cache: torch.Tensor, copies: list[tuple[int, int, i
         kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim]; K is index 0, V index 1.
         copies: (source block, destination block, delta); sources are only read.
         inv_freq: [head_dim / 2] fp32, the model's RoPE frequencies (scaling applied).
+        k_scales: [layers] fp32, each layer's K scale, for an FP8 (e4m3) cache (None otherwise).
     """
+    fp8 = is_fp8(kv_cache)
+    assert (k_scales is not None) == fp8, "an FP8 cache, and only it, takes its K scales"
     by_delta: dict[int, list[tuple[int, int]]] = {}
     for src, dst, delta in copies:
         by_delta.setdefault(delta, []).append((src, dst))
@@ -78,5 +90,16 @@ def copy_blocks_rerotated(kv_cache: torch.Tensor, copies: list[tuple[int, int, i
         for delta, pairs in by_delta.items():
             src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=kv_cache.device)
             dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=kv_cache.device)
-            kv_cache[:, 1, dst] = kv_cache[:, 1, src]
-            kv_cache[:, 0, dst] = rerotate_keys(kv_cache[:, 0, src], inv_freq, delta)
+            if not fp8:
+                kv_cache[:, 1, dst] = kv_cache[:, 1, src]
+                kv_cache[:, 0, dst] = rerotate_keys(kv_cache[:, 0, src], inv_freq, delta)
+                continue
+            assert k_scales is not None
+            cache_bytes = kv_cache.view(torch.uint8)  # float8 has no CPU index kernels; bytes move unchanged
+            cache_bytes[:, 1, dst] = cache_bytes[:, 1, src]
+            if delta == 0:
+                cache_bytes[:, 0, dst] = cache_bytes[:, 0, src]
+                continue
+            scale = k_scales.to(torch.float32).reshape(-1, 1, 1, 1, 1)  # [layers] over [layers, n, bs, Hkv, D]
+            keys = dequantize_fp8(cache_bytes[:, 0, src].view(FP8_KV_DTYPE), scale)
+            cache_bytes[:, 0, dst] = quantize_fp8(rerotate_keys(keys, inv_freq, delta), scale).view(torch.uint8)

@@ -8,7 +8,16 @@ import triton.language as tl
 
 from generation.layers.attention_splits import PREFILL_KEYS as _PREFILL_KEYS
 from generation.layers.attention_splits import prefill_num_splits, prefill_tile
-from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, prepare_attention_inputs
+from generation.layers.kv_fp8 import FP8_MAX, is_fp8
+from generation.layers.triton_common import (
+    LOG2E,
+    attend_tile,
+    kv_scale_args,
+    load_kv_tile,
+    prepare_attention_inputs,
+    quantize_kv,
+    widen_kv,
+)
 from generation.layers.triton_decode import (  # noqa: F401  (the backend's decode entry points)
     DECODE_SPLIT_TARGET,
     decode_num_splits,
@@ -31,10 +40,14 @@ def _store_kvcache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_vt,
     ROW: tl.constexpr,  # num_kv_heads * head_dim, one cache slot
     BLOCK: tl.constexpr,
+    FP8_KV: tl.constexpr,  # the cache is e4m3: store x / scale, saturated
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -43,14 +56,25 @@ def _store_kvcache_kernel(
     mask = (offs < ROW) & (slot >= 0)
     k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + offs, mask=mask)
+    k = quantize_kv(k, k_scale_ptr, FP8_KV, FP8_MAX)
+    v = quantize_kv(v, v_scale_ptr, FP8_KV, FP8_MAX)
     tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v ([num_tokens, num_kv_heads, head_dim]) into cache slots; slot -1 skips the token."""
+    """Write k, v ([num_tokens, num_kv_heads, head_dim]) into cache slots; slot -1 skips the token.
+
+    An FP8 cache stores k / k_scale and v / v_scale ([1] fp32 tensors, read on the device).
+    """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.shape[2:] == (num_kv_heads, head_dim)
@@ -62,9 +86,12 @@ def store_kvcache(
         v = v.contiguous()
     if num_tokens == 0:
         return
+    fp8 = is_fp8(k_cache)
+    k_scale_arg, v_scale_arg = kv_scale_args(k_cache, k_scale, v_scale)
     _store_kvcache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row)
-    )
+        k, v, k_cache, v_cache, slot_mapping, k_scale_arg, v_scale_arg, k.stride(0), v.stride(0),
+        ROW=row, BLOCK=triton.next_power_of_2(row), FP8_KV=fp8, FP8_MAX=FP8_MAX,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,6 +138,8 @@ def _prefill_kernel(
     cu_seqlens_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     num_seqs,
     tokens_per_split,
@@ -136,6 +165,7 @@ def _prefill_kernel(
     NUM_HEADS: tl.constexpr,
     SPLIT: tl.constexpr,  # write partial (max, sum, acc) per row for the reduce kernel, else the output
     IEEE: tl.constexpr,
+    FP8_KV: tl.constexpr,  # the cache is e4m3: K/V widened to q's dtype, K scale in the scores, V scale on acc
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,6 +191,8 @@ def _prefill_kernel(
     q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = prefix + token  # absolute position of each row's token
+    if FP8_KV:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)  # q . (k * k_scale) = (q . k) * k_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -182,6 +214,8 @@ def _prefill_kernel(
                           d_ok[None, :], BLOCK_SIZE)  # fmt: skip
         v = load_kv_tile(v_cache_ptr, pages, k_pos, kv_head, stride_vb, stride_vs, stride_vh, offs_d,
                           d_ok[None, :], BLOCK_SIZE)  # fmt: skip
+        k = widen_kv(k, q.dtype, FP8_KV)
+        v = widen_kv(v, q.dtype, FP8_KV)
         m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, row_ok[:, None], scale_log2, IEEE)
 
     # The diagonal: keys up to the tile's last token, causally masked per row.
@@ -194,9 +228,13 @@ def _prefill_kernel(
                           kv_mask, BLOCK_SIZE)  # fmt: skip
         v = load_kv_tile(v_cache_ptr, pages, k_pos, kv_head, stride_vb, stride_vs, stride_vh, offs_d,
                           kv_mask, BLOCK_SIZE)  # fmt: skip
+        k = widen_kv(k, q.dtype, FP8_KV)
+        v = widen_kv(v, q.dtype, FP8_KV)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, visible, scale_log2, IEEE)
 
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr)  # sum p (v * v_scale) = (sum p v) * v_scale, partials too
     if SPLIT:
         # Partials are [T, num_heads, num_splits] (+ [head_dim]), the decode reduce kernel's layout
         # with tokens for sequences; a split with no visible key stores (-inf, 0, 0).
@@ -221,8 +259,13 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens to their cached prefix and each other (see paged_attention)."""
+    """Causal attention of packed new tokens to their cached prefix and each other (see paged_attention).
+
+    An FP8 cache needs its k_scale and v_scale ([1] fp32, read on the device).
+    """
     q, out, block_size, num_kv_heads, group = prepare_attention_inputs(q, k_cache, v_cache, out)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -242,16 +285,17 @@ def paged_prefill_attention(
     else:
         part_m = part_l = part_acc = out  # unused by the kernel when SPLIT is off
     block_d = max(16, triton.next_power_of_2(head_dim))
+    k_scale_arg, v_scale_arg = kv_scale_args(k_cache, k_scale, v_scale)
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, cu_seqlens_q, context_lens, block_tables,
-        scale * LOG2E, num_seqs, tokens_per_split, num_splits,
+        k_scale_arg, v_scale_arg, scale * LOG2E, num_seqs, tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=_PREFILL_KEYS,
-        NUM_HEADS=num_heads, SPLIT=split, IEEE=q.dtype == torch.float32,
+        NUM_HEADS=num_heads, SPLIT=split, IEEE=q.dtype == torch.float32, FP8_KV=is_fp8(k_cache),
         num_warps=8 if head_dim > 64 else 4, num_stages=2,
     )  # fmt: skip
     if split:

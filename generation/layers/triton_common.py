@@ -27,6 +27,25 @@ def load_kv_tile(
 
 
 @triton.jit
+def widen_kv(x, dtype: tl.constexpr, FP8_KV: tl.constexpr):
+    """A KV tile in the queries' dtype for the dot: an e4m3 tile converted (exactly: every e4m3 value is
+    a bf16, fp16 and fp32 value), others as they are. The scales are applied outside (see the kernels)."""
+    if FP8_KV:
+        x = x.to(tl.float32).to(dtype)
+    return x
+
+
+@triton.jit
+def quantize_kv(x, scale_ptr, FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr):
+    """For an e4m3 cache, x / scale in fp32 saturated to +-FP8_MAX (the store's cast then rounds it to
+    e4m3, never to NaN); x unchanged for other caches."""
+    if FP8_KV:
+        x = x.to(tl.float32) / tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x
+
+
+@triton.jit
 def attend_tile(q, k, v, m_i, l_i, acc, visible, scale_log2, IEEE: tl.constexpr):
     """Fold one tile of keys into the running (max, sum, acc) of every query row."""
     if IEEE:  # fp32 inputs: full-precision products (TF32 would differ from the reference visibly)
@@ -45,6 +64,19 @@ def attend_tile(q, k, v, m_i, l_i, acc, visible, scale_log2, IEEE: tl.constexpr)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+def kv_scale_args(
+    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V scale pointers a kernel takes: an FP8 cache's [1] fp32 scales, else the cache itself
+    (never read: the kernels' FP8_KV constexpr is off)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache, cache
+    assert k_scale is not None and v_scale is not None, "an FP8 KV cache needs its scales"
+    assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
+    assert k_scale.device == cache.device and v_scale.device == cache.device
+    return k_scale, v_scale
 
 
 def prepare_attention_inputs(

@@ -8,7 +8,15 @@ import triton.language as tl
 
 from generation.layers.attention_splits import DECODE_KEYS as _DECODE_KEYS
 from generation.layers.attention_splits import DECODE_SPLIT_TARGET, decode_num_splits  # noqa: F401
-from generation.layers.triton_common import LOG2E, attend_tile, load_kv_tile, prepare_attention_inputs
+from generation.layers.kv_fp8 import is_fp8
+from generation.layers.triton_common import (
+    LOG2E,
+    attend_tile,
+    kv_scale_args,
+    load_kv_tile,
+    prepare_attention_inputs,
+    widen_kv,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Decode: split-K (flash-decoding) over the context, then a reduce across splits
@@ -30,6 +38,8 @@ def _decode_kernel(
     part_acc_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     tokens_per_split,
     num_splits,
@@ -53,6 +63,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # write partial (max, sum, acc) for the reduce kernel, else the output
     IEEE: tl.constexpr,
+    FP8_KV: tl.constexpr,  # the cache is e4m3: K/V widened to q's dtype, K scale in the scores, V scale on acc
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +81,8 @@ def _decode_kernel(
     # One program serves the GROUP query heads of one KV head, so each K/V byte is read once.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    if FP8_KV:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)  # q . (k * k_scale) = (q . k) * k_scale
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -84,8 +97,12 @@ def _decode_kernel(
                           kv_mask, BLOCK_SIZE)  # fmt: skip
         v = load_kv_tile(v_cache_ptr, pages, k_pos, kv_head, stride_vb, stride_vs, stride_vh, offs_d,
                           kv_mask, BLOCK_SIZE)  # fmt: skip
+        k = widen_kv(k, q.dtype, FP8_KV)
+        v = widen_kv(v, q.dtype, FP8_KV)
         m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, k_ok[None, :], scale_log2, IEEE)
 
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr)  # sum p (v * v_scale) = (sum p v) * v_scale, partials too
     if SPLIT:
         # Partials are [B, num_heads, num_splits] (+ [head_dim]); an empty split stores (-inf, 0, 0).
         part = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + split
@@ -142,8 +159,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens."""
+    """One query per sequence ([B, num_heads, head_dim]) attending to its context_lens[i] cached tokens.
+
+    An FP8 cache needs its k_scale and v_scale ([1] fp32, read on the device).
+    """
     q, out, block_size, num_kv_heads, group = prepare_attention_inputs(q, k_cache, v_cache, out)
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -157,16 +179,17 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_acc = out  # unused by the kernel when SPLIT is off
     block_d = max(16, triton.next_power_of_2(head_dim))
+    k_scale_arg, v_scale_arg = kv_scale_args(k_cache, k_scale, v_scale)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, context_lens, block_tables,
-        scale * LOG2E, tokens_per_split, num_splits,
+        k_scale_arg, v_scale_arg, scale * LOG2E, tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=_DECODE_KEYS,
-        SPLIT=split, IEEE=q.dtype == torch.float32,
+        SPLIT=split, IEEE=q.dtype == torch.float32, FP8_KV=is_fp8(k_cache),
         num_warps=4, num_stages=3,
     )  # fmt: skip
     if split:

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from generation.layers.kv_fp8 import FP8_MAX, is_fp8
+from generation.layers.triton_common import kv_scale_args, quantize_kv
+
 # Each kernel replaces a chain of torch ops (RMSNorm alone is eight): at decode batch sizes every
 # op is a launch that moves a few KB, so a layer's ~37 launches cost more than its weight reads
 # would allow. Numerics follow the torch reference op by op (fp32 math, rounding to the model
@@ -107,10 +110,12 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
 
 @triton.jit
 def _rotary_store_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, max_pos,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
+    v_scale_ptr, max_pos,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr,  # an e4m3 cache: store rotated k / k_scale and v / v_scale
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
@@ -139,6 +144,9 @@ def _rotary_store_kernel(
     k1 = tl.load(k_row, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_row + HALF, mask=kv_mask, other=0.0).to(tl.float32)
     r1, r2 = _rotate(k1, k2, cos, sin, dtype)
+    # The rotated k is rounded to the model dtype first (as the torch path's apply_rotary does), then quantized.
+    r1 = quantize_kv(r1, k_scale_ptr, FP8_KV, FP8_MAX)
+    r2 = quantize_kv(r2, k_scale_ptr, FP8_KV, FP8_MAX)
     # Cache rows are [num_kv_heads, head_dim] per slot, dense.
     c_row = slot * (NUM_KV_HEADS * 2 * HALF) + hk[:, None] * (2 * HALF) + d[None, :]
     tl.store(k_cache_ptr + c_row, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -146,6 +154,8 @@ def _rotary_store_kernel(
     v_row = v_ptr + token * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(v_row, mask=kv_mask, other=0.0)
     v2 = tl.load(v_row + HALF, mask=kv_mask, other=0.0)
+    v1 = quantize_kv(v1, v_scale_ptr, FP8_KV, FP8_MAX)
+    v2 = quantize_kv(v2, v_scale_ptr, FP8_KV, FP8_MAX)
     tl.store(v_cache_ptr + c_row, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(v_cache_ptr + c_row + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
@@ -159,6 +169,8 @@ def rotary_store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k by their positions, store rotated k and v in the cache slots; returns the rotated q.
 
@@ -170,6 +182,8 @@ def rotary_store_kvcache(
             sin (RotaryEmbedding.cos_sin_table; the "rotate half" layout).
         k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous.
         slot_mapping: [T] int64 cache slot of each token, -1 to store nothing.
+        k_scale, v_scale: an FP8 (e4m3) cache's [1] fp32 scales: it stores rotated k / k_scale and
+            v / v_scale, saturated at +-448 (as `store_kvcache_torch`). None for other caches.
 
     Returns:
         [T, Hq, D] contiguous, in q's dtype.
@@ -183,11 +197,12 @@ def rotary_store_kvcache(
     if num_tokens == 0:
         return out
     half = head_dim // 2
+    k_scale_arg, v_scale_arg = kv_scale_args(k_cache, k_scale, v_scale)
     _rotary_store_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin, out, k_cache, v_cache, slot_mapping, cos_sin.shape[0],
+        q, k, v, positions, cos_sin, out, k_cache, v_cache, slot_mapping, k_scale_arg, v_scale_arg, cos_sin.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4,
+        FP8_KV=is_fp8(k_cache), FP8_MAX=FP8_MAX, num_warps=4,
     )  # fmt: skip
     return out

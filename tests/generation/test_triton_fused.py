@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from generation.engine.decode_inputs import DecodeInputs
 from generation.layers import paged_attention as ref
-from generation.layers.attention import AttentionMetadata, paged_attention
+from generation.layers.attention import AttentionMetadata, KVCache, paged_attention
 from generation.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 from tests.generation.test_paged_attention import make_paged_case
 
@@ -120,7 +120,7 @@ def test_paged_attention_with_decodes_before_chunks_matches_one_prefill_kernel(n
     outs = []
     for nd, cu_q in ((num_decodes, cu), (0, cu_all)):
         meta = AttentionMetadata(True, slots, case.context_lens, case.block_tables, cu_q, num_decodes=nd)
-        outs.append(paged_attention(q, k, v, rope, (case.k_cache.clone(), case.v_cache.clone()), meta, 0.125))
+        outs.append(paged_attention(q, k, v, rope, KVCache(case.k_cache.clone(), case.v_cache.clone()), meta, 0.125))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
 
 
