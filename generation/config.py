@@ -335,7 +335,8 @@ class EngineConfig:
                 f"quantization {self.quantization!r} is not supported; valid: None, {', '.join(QUANTIZATION_CHOICES)}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; valid: {', '.join(KV_CACHE_DTYPES)}")
+            valid = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; valid: {valid}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported; valid: {', '.join(LOAD_FORMATS)}")
         # The recompute choice is checked where it lives (ChunkRecompute), with its own words.

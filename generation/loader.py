@@ -245,16 +245,38 @@ def _fix_chat_tokens(tokenizer: Any, model: Any) -> None:
         model.generation_config.eos_token_id = [*eos_ids, im_end] if eos_ids else im_end
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    load_format: str = "auto",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build our Llama implementation from a model folder's config and safetensors weights.
 
+    Args:
+        quantization: None, or "fp8" (EngineConfig.quantization). An FP8 checkpoint is loaded in
+            FP8 whatever this says (its weights have no bf16 form to load).
+        load_format: "auto" reads the safetensors; "dummy" fills random weights from config.json alone.
+
     Raises:
-        ModelError: unsupported architecture, or weights that do not fit the config.
+        ModelError: unsupported architecture or quantization scheme, or weights that do not fit the config.
     """
-    check_model_dir(model_dir)
+    if load_format == "dummy":
+        if not (model_dir / "config.json").is_file():
+            raise ModelError(f"{model_dir} has no config.json: load_format='dummy' needs the architecture from it")
+    else:
+        check_model_dir(model_dir)
+    stored = checkpoint_quantization(model_dir)
+    if stored is not None and quantization is None:
+        logger.info("%s holds an %s checkpoint: its linear layers run in FP8", model_dir, stored)
+        quantization = "fp8"
     with quiet_libraries():  # transformers' AutoConfig reads config.json
         config = ModelConfig.from_model_dir(model_dir)
-    model = LlamaForCausalLM.create_empty(config, device, dtype)
+    model = LlamaForCausalLM.create_empty(config, device, dtype, quantization=quantization)
+    if load_format == "dummy":
+        model.fill_dummy_weights()
+        return model, config
     try:
         model.load_weights(_iter_safetensors(model_dir))
     except (KeyError, ValueError) as exc:
@@ -263,6 +285,51 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
             "Re-save the model folder with transformers' save_pretrained."
         ) from exc
     return model, config
+
+
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """Which FP8 scheme a model folder's weights are stored in, or None for plain float weights.
+
+    Accepted: compressed-tensors "float-quantized" with 8-bit float weights per channel or per
+    tensor and dynamic per-token (or static) activations, as in the FP8-dynamic Llama checkpoints;
+    and `quant_method: fp8` (AutoFP8 / vLLM's fp8) with per-tensor or per-channel `weight_scale`.
+    Static activation scales are not used: activations are quantized per token as they arrive.
+
+    Raises:
+        ModelError: a quantization scheme this engine does not run (int8, int4, block-wise FP8, ...).
+    """
+    try:
+        quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None  # ModelConfig.from_model_dir reports an unreadable config
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        groups = list((quant.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        ok = bool(weights) and all(
+            w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("channel", "tensor")
+            for w in weights
+        )
+        if ok:
+            return "compressed-tensors fp8"
+        raise ModelError(
+            f"{model_dir}: compressed-tensors weights {weights} are not supported; this engine runs 8-bit float "
+            "weights with per-channel or per-tensor scales (FP8-dynamic). Use a bf16 checkpoint with "
+            'quantization="fp8", or serve this model through a remote generator (vLLM, SGLang).'
+        )
+    if method == "fp8":
+        if quant.get("weight_block_size"):
+            raise ModelError(
+                f"{model_dir}: block-wise FP8 weights (weight_block_size {quant['weight_block_size']}) are not "
+                "supported; this engine runs per-channel or per-tensor FP8 weight scales"
+            )
+        return "fp8"
+    raise ModelError(
+        f"{model_dir}: quant_method {method!r} is not supported by this generator (it runs bf16/fp32 checkpoints, "
+        "optionally quantized to FP8, and FP8 checkpoints). Serve it through a remote generator (vLLM, SGLang)."
+    )
 
 
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

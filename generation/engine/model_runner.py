@@ -20,6 +20,7 @@ from generation.engine.kv_cache_sizing import GIB, decide_num_blocks, fit_max_mo
 from generation.engine.prefill_graphs import PrefillGraphs
 from generation.engine.scheduler import ScheduledBatch, ScheduledEntry
 from generation.layers.attention import AttentionMetadata, KVCache, layer_kv_caches
+from generation.layers.fp8 import fp8_kernels_serve, fp8_layers
 from generation.layers.kernel_choice import triton_fused_for, triton_kv_copy_for
 from generation.layers.kernel_warmup import compile_attention_variants
 from generation.layers.linear import Linear
@@ -98,7 +99,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model: LlamaForCausalLM
         self.model_config: ModelConfig
-        self.model, self.model_config = load_model(model_dir, self.device, self.dtype)
+        self.model, self.model_config = load_model(
+            model_dir, self.device, self.dtype, quantization=config.quantization, load_format=config.load_format
+        )
         context = self.model_config.context_len
         # Where the context is capped at a sliding window (Mistral v0.1), name that as the limit.
         windowed = context < self.model_config.max_position_embeddings
@@ -182,6 +185,11 @@ class ModelRunner:
         from generation.layers import triton_skinny_gemm
 
         triton_skinny_gemm.choose([m.weight for m in self.model.modules() if isinstance(m, Linear)])
+        fp8 = fp8_layers(self.model)
+        if fp8 and fp8_kernels_serve(self.device):
+            from generation.layers import triton_fp8
+
+            triton_fp8.choose([(m.weight, m.weight_scale) for m in fp8], self.dtype)
 
     # ---------------------------------------------------------------------------------------------
     # A batch

@@ -55,5 +55,13 @@ def triton_kv_copy_for(t: torch.Tensor) -> ModuleType | None:
     return _triton_module("triton_kv_copy") if t.is_cuda and _fused_enabled and _kv_copy_enabled else None
 
 
+def triton_fp8_for(device: torch.device) -> ModuleType | None:
+    """The FP8 matmul kernels (per-token quantization, few-row matmul) for a CUDA device, when fused kernels are on.
+
+    Switching the fused kernels off leaves FP8 layers on the reference path (dequantize, matmul).
+    """
+    return _triton_module("triton_fp8") if device.type == "cuda" and _fused_enabled else None
+
+
 def triton_available() -> bool:
     return _triton_module("triton_attention") is not None

@@ -10,6 +10,7 @@ from torch import nn
 
 from generation.config import ModelConfig
 from generation.layers.attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
+from generation.layers.fp8 import FP8_DTYPE, Fp8Linear, quantize_weight
 from generation.layers.kernel_choice import triton_fused_for
 from generation.layers.linear import Linear
 from generation.layers.norm import RMSNorm
@@ -24,6 +25,16 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# The decoder's linear layers that quantization="fp8" runs in e4m3 (the LM head and the embedding
+# stay in the model dtype, as the published FP8-dynamic checkpoints keep them).
+FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Checkpoint tensors of an FP8 checkpoint that the engine does not load: static activation scales
+# (activations are quantized per token as they arrive, which needs no scale).
+IGNORED_SUFFIXES = (".input_scale",)
+# Per-layer KV cache scales of FP8 checkpoints: compressed-tensors' kv_cache_scheme names them
+# self_attn.k_scale / v_scale, AutoFP8 k_proj.output_scale / v_proj.output_scale. Value: K (0) or V (1).
+KV_SCALE_SUFFIXES = {".self_attn.k_scale": 0, ".self_attn.v_scale": 1,
+                     ".self_attn.k_proj.output_scale": 0, ".self_attn.v_proj.output_scale": 1}
 
 
 class LlamaAttention(nn.Module):
@@ -172,19 +183,64 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # [layers, 2] fp32 K and V scales for an FP8 KV cache, when the checkpoint carries them.
+        self.kv_cache_scales: torch.Tensor | None = None
 
     @classmethod
-    def create_empty(cls, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    def create_empty(
+        cls, config: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+    ) -> LlamaForCausalLM:
         """A model with uninitialised parameters on `device`, ready for `load_weights`.
 
         Built on the meta device first: random initialisation of weights that are about to be
-        overwritten costs seconds on CPU and memory on GPU.
+        overwritten costs seconds on CPU and memory on GPU. With quantization="fp8" the decoder's
+        linear layers are swapped for Fp8Linear there too, so their bf16 weights never exist on
+        the device (a 70B model's would not fit).
         """
         with torch.device("meta"):
-            model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
+            model = cls(config).to(dtype)
+            if quantization == "fp8":
+                model._swap_fp8_linears(dtype)
+        model = model.to_empty(device=device)
         model.model.rotary_emb.reset_inv_freq()  # to_empty left it uninitialised, .to() cast it
         return model.eval()
+
+    def _swap_fp8_linears(self, dtype: torch.dtype) -> None:
+        for layer in self.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name in FP8_LINEARS:
+                    old = getattr(parent, name, None)
+                    if isinstance(old, Linear):
+                        new = Fp8Linear(old.in_features, old.out_features, old.bias is not None, dtype)
+                        setattr(parent, name, new)
+
+    def fill_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights on the model's device (load_format="dummy"): normal(0, std), norms at 1.
+
+        FP8 layers are filled a slice of rows at a time and quantized in place, so no full-size
+        bf16 copy of a layer is ever made. Tied embeddings are tied as load_weights ties them.
+        """
+        gen = torch.Generator(device=self.model.embed_tokens.weight.device).manual_seed(seed)
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, Fp8Linear):
+                    w = module.weight
+                    step = max(1, (1 << 26) // w.shape[1])
+                    for start in range(0, w.shape[0], step):
+                        rows = w[start : start + step]
+                        block = torch.randn(rows.shape, generator=gen, device=w.device, dtype=torch.float32) * std
+                        q, scale = quantize_weight(block)
+                        rows.copy_(q)
+                        module.weight_scale[start : start + step].copy_(scale)
+                    if module.bias is not None:
+                        module.bias.zero_()
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+                else:
+                    for p in module.parameters(recurse=False):
+                        p.normal_(0.0, std, generator=gen)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -222,20 +278,48 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        kv_scales: dict[tuple[int, int], float] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # derived from the config, some old checkpoints store it
+            if "rotary_emb.inv_freq" in name or name.endswith(IGNORED_SUFFIXES):
+                continue  # derived from the config (some old checkpoints store it); static activation scales
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the head is the embedding matrix
+            kv = self._kv_scale_slot(name)
+            if kv is not None:
+                kv_scales[kv] = float(tensor.float().reshape(-1)[0])
+                continue
             target, shard = self._param_name(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in this model")
             param = params[target]
             dest = param.data if shard is None else self._shard(target, param.data, shard)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            if target.endswith(".weight_scale"):
+                # Per-channel ([N] or [N, 1]) or per-tensor ([] or [1], broadcast to the rows).
+                flat = tensor.reshape(-1)
+                if flat.numel() not in (1, dest.numel()):
+                    raise ValueError(f"{name}: {flat.numel()} scales for {dest.numel()} output channels")
+                dest.copy_(flat.float().expand(dest.numel()) if flat.numel() == 1 else flat)
+            elif dest.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+                # A bf16/fp32 checkpoint loaded with quantization="fp8": quantized here, per output channel.
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+                q, scale = quantize_weight(tensor.to(dest.device))
+                dest.copy_(q)
+                scale_target = target.removesuffix(".weight") + ".weight_scale"
+                scale_param = params[scale_target].data
+                (scale_param if shard is None else self._shard(scale_target, scale_param, shard)).copy_(scale)
+                loaded.add(scale_target if shard is None else f"{scale_target}#{shard}")
+            elif tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"{name} is FP8 in the checkpoint but this model's parameter is {dest.dtype}: "
+                    'load FP8 checkpoints with quantization="fp8"'
+                )
+            else:
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+                dest.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
+        self.kv_cache_scales = self._kv_scale_table(kv_scales)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             params.pop("lm_head.weight", None)
@@ -243,6 +327,29 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"{len(missing)} weights missing from the checkpoint: {shown}")
+
+    @staticmethod
+    def _kv_scale_slot(name: str) -> tuple[int, int] | None:
+        """(layer, 0 for K / 1 for V) of a checkpoint's KV cache scale tensor, else None."""
+        for suffix, kind in KV_SCALE_SUFFIXES.items():
+            if name.endswith(suffix) and name.startswith("model.layers."):
+                return int(name.split(".")[2]), kind
+        return None
+
+    def _kv_scale_table(self, scales: dict[tuple[int, int], float]) -> torch.Tensor | None:
+        """[layers, 2] fp32 KV cache scales (K, V) from the checkpoint, or None when it has none.
+
+        Raises:
+            ValueError: the checkpoint gives scales for some layers but not all.
+        """
+        if not scales:
+            return None
+        layers = self.config.num_hidden_layers
+        missing = [(i, j) for i in range(layers) for j in range(2) if (i, j) not in scales]
+        if missing:
+            raise ValueError(f"the checkpoint has KV cache scales for some layers but not for {missing[:4]}")
+        table = torch.tensor([[scales[(i, 0)], scales[(i, 1)]] for i in range(layers)], dtype=torch.float32)
+        return table.to(self.model.embed_tokens.weight.device)
 
     @staticmethod
     def _param_name(name: str) -> tuple[str, int | None]:

@@ -1,0 +1,219 @@
+"""FP8 (e4m3) matmul kernels in Triton: per-token activation quantization, and a few-row matmul for decode.
+
+Both follow `generation.layers.fp8`'s scheme (per-output-channel weight scales, dynamic per-token
+activation scales) and its rounding: scale = amax / 448 in fp32, q = round_to_nearest(x / scale)
+with an IEEE division, so a row quantizes to the same bytes as `fp8.quantize_rows` computes.
+
+At decode's few rows a matmul is a pass over the weights: `fp8_skinny_gemm` quantizes the rows of
+x inside the same launch (each program reads the whole of x, a few KB from L2, to find its rows'
+scales) and streams e4m3 weights through an fp8 `tl.dot`. Which kernel serves a weight shape,
+this or quantize + `torch._scaled_mm`, is measured once per shape (`choose`), as the bf16 skinny
+matmul is.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from generation.layers.triton_skinny_gemm import MIN_GAIN, SkinnyConfig, _time
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+MAX_ROWS = 16
+
+# fp8 tl.dot wants K tiles of at least 32; wide K tiles halve the loop trips (1 byte per weight).
+CANDIDATES = (
+    SkinnyConfig(16, 512, 4),
+    SkinnyConfig(32, 256, 4),
+    SkinnyConfig(32, 512, 3),
+    SkinnyConfig(64, 256, 4),
+)
+
+# (N, K) -> the config that beat quantize + _scaled_mm at 1 and MAX_ROWS rows, or None.
+_choices: dict[tuple[int, int], SkinnyConfig | None] = {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-token quantization
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        ok = start + cols < K
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, K, BLOCK):
+        ok = start + cols < K
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(tl.float8e4nv), mask=ok)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] e4m3, scale [M] fp32) of a 2-D x with unit column stride: one launch, one program per row."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k, BLOCK=block, num_warps=4)
+    return q, s
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) @ dequant(weight [N, K]).T: per-token quantization here, then one torch._scaled_mm."""
+    qx, sx = quantize_rows(x)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+                         out_dtype=out_dtype)  # fmt: skip
+    if bias is not None:
+        y = y + bias
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Few-row matmul with the rows quantized in the same launch
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_skinny_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    BLOCK_M: tl.constexpr = 16
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # Pass 1: each row's amax over the whole of K (x is a few KB, read from L2 by every program).
+    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k * BLOCK_K + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        amax = tl.maximum(amax, tl.abs(x))
+    sx = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)  # [BLOCK_M]
+    # Pass 2: quantize x tile by tile and multiply with the e4m3 weights, fp32 accumulation.
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        qx = tl.clamp(tl.math.div_rn(x.to(tl.float32), sx[:, None]), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        acc = tl.dot(qx, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+    acc = acc * sx[:, None] * sw[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    config: SkinnyConfig,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (M <= MAX_ROWS, bf16/fp16) @ dequant(weight).T, x quantized per row inside the kernel."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _fp8_skinny_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_stages=config.num_stages, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] @ dequant(weight).T on CUDA: the measured few-row kernel where it won, else _scaled_mm."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    config = _choices.get((weight.shape[0], weight.shape[1])) if x2.shape[0] <= MAX_ROWS else None
+    if config is not None:
+        y = fp8_skinny_gemm(x2, weight, weight_scale, bias, config)
+    else:
+        y = scaled_mm_linear(x2, weight, weight_scale, bias)
+    return y.view(*lead, weight.shape[0])
+
+
+def choose(layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Time quantize + _scaled_mm against each few-row config on every (N, K) of `layers` (weight, scale).
+
+    Timed like triton_skinny_gemm.choose: one CUDA graph calls every weight of a shape in turn, at
+    1 and MAX_ROWS rows; a config must win at both by MIN_GAIN. A config Triton cannot compile on
+    this GPU is skipped.
+    """
+    groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for w, s in layers:
+        key = (w.shape[0], w.shape[1])
+        if key not in _choices:
+            groups.setdefault(key, []).append((w, s))
+    for key, ws in groups.items():
+        n, k = key
+        device = ws[0][0].device
+        times: dict[tuple[object, int], float] = {}
+        usable = []
+        for rows in (1, MAX_ROWS):
+            x = torch.randn(rows, k, dtype=dtype, device=device)
+            times[("cublas", rows)] = _time([functools.partial(scaled_mm_linear, x, w, s, None) for w, s in ws])
+        for c in CANDIDATES:
+            try:
+                for rows in (1, MAX_ROWS):
+                    x = torch.randn(rows, k, dtype=dtype, device=device)
+                    times[(c, rows)] = _time([functools.partial(fp8_skinny_gemm, x, w, s, None, c) for w, s in ws])
+                usable.append(c)
+            except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is simply not a candidate
+                logger.info("fp8 skinny config %s not usable on this GPU: %s", c, type(exc).__name__)
+        best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
+        for c in usable:
+            worst = max(times[(c, r)] / times[("cublas", r)] for r in (1, MAX_ROWS))
+            if worst < 1.0 - MIN_GAIN and times[(c, 1)] < best[0]:
+                best = (times[(c, 1)], c)
+        _choices[key] = best[1]
+        size = n * k
+        ours = best[0] if best[1] is not None else min((times[(c, 1)] for c in usable), default=float("nan"))
+        logger.info(
+            "fp8 matmul %dx%d at 1 row (%d weights): _scaled_mm %.1f us (%.0f GB/s), Triton best %.1f us "
+            "(%.0f GB/s): %s",
+            n, k, len(ws), times[("cublas", 1)] * 1e3, size / (times[("cublas", 1)] * 1e-3) / 1e9,
+            ours * 1e3, size / (ours * 1e-3) / 1e9, "Triton " + str(best[1]) if best[1] is not None else "_scaled_mm",
+        )  # fmt: skip
+
+
+def choices() -> dict[tuple[int, int], SkinnyConfig | None]:
+    """The measured choice per (N, K) so far (benchmarks print it)."""
+    return dict(_choices)
