@@ -3,6 +3,10 @@
 Called by bench/engine_llama8b.py (`--only profile`) with its loaded engine; every figure is GPU
 time from CUDA events (or host wall time where it says so), beside the bandwidth floor of the
 same run. Sequences are allocated from the engine's own block pool and released afterwards.
+
+The floor of a step is honest (bench/roofline.py): the bytes that step reads (the weights it
+streams, the input embedding excluded unless the head is tied to it, plus the KV of its batch
+at its context) over the read bandwidth measured by the caller, so every batch has its own.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import random
 import time
 
 import torch
+from roofline import DecodeFloor, decode_bytes, percent_of_floor
 
 from generation import LLM, SamplingParams
 from generation.engine.decode_graphs import DecodeGraphs
@@ -70,22 +75,42 @@ def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[Sequence]:
     return seqs
 
 
-def profile(llm: LLM, floor_ms: float) -> None:
+STEP_CASES = ((1, 640), (16, 843), (64, 843), (256, 843))  # (batch, context) of the decode steps timed
+
+
+def step_floor(llm: LLM, batch: int, context: int, read_bw: float) -> DecodeFloor:
+    """The honest floor of one decode step of `batch` sequences at `context` tokens each."""
+    kv_bytes = llm.engine.model_runner.kv_cache.element_size()
+    return DecodeFloor(decode_bytes(llm.model, context, batch, kv_bytes).total, read_bw)
+
+
+def profile(llm: LLM, read_bw: float) -> dict[str, tuple[str, float]]:
+    """Print where decode steps' GPU time goes; returns {measure: (text, number)} for the caller's table."""
     runner = llm.engine.model_runner
     bm = llm.engine.block_manager
     graphs = runner.decode_graphs
     assert graphs is not None, "the profile needs CUDA graphs"
-    print("profile: GPU time of one decode step (CUDA graph replay: forward + LM head), bf16")
+    figures: dict[str, tuple[str, float]] = {}
+    weights = "fp8 weights" if any(p.dtype == torch.float8_e4m3fn for p in llm.model.parameters()) else "weights"
+    print(f"profile: GPU time of one decode step (CUDA graph replay: forward + LM head), {llm.dtype} / {weights}, "
+          f"KV {runner.kv_cache.dtype}")  # fmt: skip
     with torch.inference_mode():
-        for batch, context in [(1, 640), (16, 843), (64, 843), (256, 843)]:
+        for batch, context in STEP_CASES:
+            floor = step_floor(llm, batch, context, read_bw)
             seqs = _sequences(llm, batch, context, seed=batch)
             entries = [ScheduledEntry(s, 1, context - 1, samples=True) for s in seqs]
             runner.decode_inputs.write(entries, graphs.bucket(batch))
             ms = gpu_ms(lambda b=batch: graphs.replay(b))
-            extra = f" ({floor_ms / ms * 100:.0f}% of the {floor_ms:.2f} ms floor)" if batch == 1 else ""
-            print(f"  batch {batch:<4} context {context}: {ms:.3f} ms per step, {batch / ms * 1e3:,.0f} tok/s{extra}")
+            pct = percent_of_floor(floor.ms, ms)
+            print(f"  batch {batch:<4} context {context}: {ms:.3f} ms per step, {batch / ms * 1e3:,.0f} tok/s "
+                  f"({pct:.0f}% of the {floor.describe()} floor)")  # fmt: skip
+            figures[f"decode step (graph replay), batch {batch}, context {context}"] = (
+                f"{ms:.3f} ms ({pct:.0f}% of the {floor.ms:.3f} ms floor)",
+                ms,
+            )
             for s in seqs:
                 bm.deallocate(s)
+        floor_ms = step_floor(llm, 1, 640, read_bw).ms
 
         # Kernel by kernel, the batch-1 step: what each kind costs per step, and how much of the
         # step no kernel runs (launch gaps between the graph's nodes).
@@ -109,6 +134,7 @@ def profile(llm: LLM, floor_ms: float) -> None:
             del one
         set_fused_kernels(True)
         print(f"  batch 1, fused kernels off: {times[False]:.3f} ms, on: {times[True]:.3f} ms per step")
+        figures["batch 1 step, fused kernels off"] = (f"{times[False]:.3f} ms", times[False])
         for s in seqs:
             bm.deallocate(s)
 
@@ -159,3 +185,4 @@ def profile(llm: LLM, floor_ms: float) -> None:
         for s in seqs:
             bm.deallocate(s)
     bm.reset_prefix_cache()
+    return figures

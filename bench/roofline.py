@@ -108,21 +108,10 @@ def model_on_meta(
     """
     from generation.models.llama import LlamaForCausalLM
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
-    if quantization == "fp8":
-        from generation.layers.fp8 import Fp8Linear
-
-        for layer in model.model.layers:
-            for parent in layer.modules():
-                for name, child in list(parent.named_children()):
-                    weight = getattr(child, "weight", None)
-                    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(child, nn.Embedding):
-                        has_bias = getattr(child, "bias", None) is not None
-                        out_f, in_f = weight.shape
-                        setattr(parent, name, Fp8Linear(in_f, out_f, has_bias, dtype, device="meta"))
-    elif quantization is not None:
+    if quantization not in (None, "fp8"):
         raise ValueError(f"quantization {quantization!r}: only None and 'fp8' are known")
+    # The engine's own construction (the same layers swapped for Fp8Linear), left on the meta device.
+    model = LlamaForCausalLM.create_empty(config, torch.device("meta"), dtype, quantization=quantization)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
@@ -203,8 +192,10 @@ def matmul_parameters(model_config_or_module: ModelConfig | nn.Module) -> tuple[
     prefill runs for the sampled (last) token of a prompt only. Norm vectors and FP8 scales are
     not matmul weights.
     """
-    model = model_config_or_module if isinstance(model_config_or_module, nn.Module) else model_on_meta(
+    model = (
         model_config_or_module
+        if isinstance(model_config_or_module, nn.Module)
+        else model_on_meta(model_config_or_module)
     )
     layers = sum(p.numel() for _, p in _unique_parameters(model.model.layers) if p.dim() >= 2)  # type: ignore[union-attr]
     head = model.lm_head.weight.numel()  # type: ignore[union-attr]
@@ -245,11 +236,9 @@ class DecodeFloor:
         return self.bytes / self.bandwidth * 1e3
 
     def describe(self) -> str:
-        """'15.04 GB streamed / 4.24 TB/s read = 3.55 ms'."""
-        return (
-            f"{self.bytes / 1e9:.2f} GB {self.label} / {self.bandwidth / 1e12:.2f} TB/s {self.bandwidth_label} "
-            f"= {self.ms:.2f} ms"
-        )
+        """'15.04 GB streamed / 4.24 TB/s read = 3.55 ms' (smaller units for tiny models and CPUs)."""
+        ms = f"{self.ms:.2f} ms" if self.ms >= 0.1 else f"{self.ms * 1e3:.2f} µs"
+        return f"{si(self.bytes, 'B')} {self.label} / {si(self.bandwidth, 'B/s')} {self.bandwidth_label} = {ms}"
 
     @staticmethod
     def old_and_honest(counted: DecodeBytes, read_bw: float, copy_bw: float) -> tuple[DecodeFloor, DecodeFloor]:
@@ -264,6 +253,14 @@ class DecodeFloor:
             f"old floor: all weights / copy bandwidth = {old.ms:.2f} ms ({old.describe()}); "
             f"honest floor: {honest.describe()}"
         )
+
+
+def si(value: float, unit: str) -> str:
+    """'15.04 GB', '4.24 TB/s', '812.00 kB': two decimals in the largest decimal prefix below the value."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.2f} {unit}"
 
 
 def percent_of_floor(floor_ms: float, measured_ms: float) -> float:

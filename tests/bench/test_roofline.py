@@ -102,7 +102,6 @@ def test_the_config_count_equals_the_module_count(roofline, tied):
 
 
 def test_fp8_weights_count_one_byte_plus_fp32_scales(roofline):
-    pytest.importorskip("generation.layers.fp8")
     c = tiny_config()
     counted = roofline.decode_bytes(c, 50, 1, 1, dtype=torch.bfloat16, quantization="fp8")
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -118,19 +117,17 @@ def test_fp8_weights_count_one_byte_plus_fp32_scales(roofline):
     assert counted.total < bf16.total
 
 
-def test_fp8_counted_from_a_real_module(roofline):
-    fp8 = pytest.importorskip("generation.layers.fp8")
-    c = tiny_config()
-    model = real_model(c, torch.bfloat16)
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for parent, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
-            old = getattr(parent, name)
-            setattr(parent, name, fp8.Fp8Linear(old.in_features, old.out_features, False, torch.bfloat16))
-    from_module = roofline.decode_bytes(model, 50, 1, 1)
-    from_config = roofline.decode_bytes(c, 50, 1, 1, dtype=torch.bfloat16, quantization="fp8")
-    assert from_module == from_config
-    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+def test_fp8_counted_from_the_engines_own_model(roofline):
+    # The model the engine builds for quantization="fp8" (on CPU, dummy weights as load_format="dummy" fills them).
+    for tied in (False, True):
+        c = tiny_config(tied=tied)
+        model = LlamaForCausalLM.create_empty(c, torch.device("cpu"), torch.bfloat16, quantization="fp8")
+        model.fill_dummy_weights()
+        assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+        from_module = roofline.decode_bytes(model, 50, 1, 1)
+        from_config = roofline.decode_bytes(c, 50, 1, 1, dtype=torch.bfloat16, quantization="fp8")
+        assert from_module == from_config
+        assert from_module.embedding_tied == tied
 
 
 def test_floors_and_their_lines(roofline):
