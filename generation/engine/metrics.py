@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 from generation.engine.copy_landing import CopyLanding
 from generation.engine.host_kv_tier import HostKVTier
 from generation.engine.scheduler import Scheduler
 
 DEFAULT_WINDOW = 1000  # latency samples kept for the percentiles: recent behaviour, bounded memory
+# Upper bounds (seconds) of the TTFT histogram's buckets: vLLM's for vllm:time_to_first_token_seconds,
+# so dashboards and autoscaler rules written for vLLM read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,39 @@ class LatencyStats:
         if not values:
             return cls()
         return cls(len(values), sum(values) / len(values), _percentile(values, 50), _percentile(values, 99))
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Every observation since start in fixed buckets (Prometheus style), never windowed.
+
+    `counts[i]` is how many observations were <= `bounds[i]`, cumulative; `count` includes those
+    above the last bound (the +Inf bucket), `sum` is their total.
+    """
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+    count: int = 0
+    sum: float = 0.0
+
+
+class _HistogramRecorder:
+    __slots__ = ("bounds", "buckets", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        assert list(bounds) == sorted(bounds), "bucket bounds must ascend"
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.buckets[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def read(self) -> Histogram:
+        # One copy, so the cumulative counts and the total agree even while the step thread observes.
+        per_bucket = list(self.buckets)
+        return Histogram(self.bounds, tuple(accumulate(per_bucket[:-1])), sum(per_bucket), self.sum)
 
 
 @dataclass(frozen=True)
@@ -92,6 +131,9 @@ class MetricsSnapshot:
     # could join (LLMEngine.step's stop_early), and the planned steps that were not run.
     num_batches_stopped_early: int = 0
     num_steps_skipped: int = 0
+    # Every request's time to first token since start, in TTFT_BUCKETS (not windowed: what a
+    # Prometheus histogram needs; its count is the requests that produced a first token).
+    time_to_first_token_histogram: Histogram = field(default_factory=Histogram)
 
 
 class _RequestTimes:
@@ -118,6 +160,7 @@ class EngineMetrics:
         self._requests: dict[int, _RequestTimes] = {}
         self._ttft: deque[float] = deque(maxlen=window)
         self._itl: deque[float] = deque(maxlen=window)
+        self._ttft_histogram = _HistogramRecorder(TTFT_BUCKETS)
         self.num_requests_finished = 0
         self.num_generated_tokens = 0
         self.num_batches_stopped_early = 0
@@ -134,6 +177,7 @@ class EngineMetrics:
         if times.first_token is None:
             times.first_token = now
             self._ttft.append(now - times.arrival)
+            self._ttft_histogram.observe(now - times.arrival)
         else:
             assert times.last_token is not None
             gap = now - times.last_token
@@ -165,6 +209,10 @@ class EngineMetrics:
     def inter_token_latency(self) -> LatencyStats:
         return LatencyStats.of(self._itl)
 
+    def time_to_first_token_histogram(self) -> Histogram:
+        """Every TTFT since start, in TTFT_BUCKETS."""
+        return self._ttft_histogram.read()
+
     def snapshot(self, scheduler: Scheduler) -> MetricsSnapshot:
         """Current counters of the scheduler, its block manager and these latencies."""
         bm = scheduler.block_manager
@@ -193,6 +241,7 @@ class EngineMetrics:
             **_host_tier_counters(bm.host_tier),
             num_batches_stopped_early=self.num_batches_stopped_early,
             num_steps_skipped=self.num_steps_skipped,
+            time_to_first_token_histogram=self.time_to_first_token_histogram(),
         )
 
 

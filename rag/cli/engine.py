@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -55,13 +56,17 @@ def serve(
     max_model_len: Annotated[int | None, typer.Option(
         "--max-model-len", min=2, help="most tokens of one request, prompt + output (default: the model's "
         "context, lowered to what the KV cache holds)")] = None,
+    engine_arg: Annotated[list[str] | None, typer.Option(
+        "--engine-arg", help="any EngineConfig field as KEY=VALUE, repeatable (e.g. quantization=fp8, "
+        "kv_cache_dtype=fp8, load_format=dummy, max_num_batched_tokens=4096; 'none' for None)")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level (info shows each request)")] = "info",
 ) -> None:
     """Load MODEL once and serve it over the OpenAI API at http://HOST:PORT/v1.
 
     Routes: GET /v1/models, POST /v1/chat/completions and /v1/completions
-    (streaming with `stream: true`), GET /health, and GET /metrics/engine
-    (the engine's counters as JSON).
+    (streaming with `stream: true`), GET /health, GET /metrics/engine
+    (the engine's counters as JSON) and GET /metrics (Prometheus text: queue,
+    running, KV cache usage, TTFT histogram; no key).
 
     A request's `cache_salt` field is its prefix-cache namespace: only requests
     with the same salt share cached KV. Any holder of the key may send any salt,
@@ -70,8 +75,6 @@ def serve(
 
     Prints `serving NAME on http://HOST:PORT/v1` once it accepts requests.
     """
-    import dataclasses
-
     import uvicorn
 
     from generation.config import EngineConfig
@@ -90,8 +93,15 @@ def serve(
     model_dir = resolve_model_dir(None if model == DEFAULT_MODEL else model, settings.model_cache)
     overrides = {"device": device or settings.device, "max_num_seqs": max_num_seqs or settings.engine_max_num_seqs,
                  "num_kv_blocks": num_kv_blocks or settings.engine_num_kv_blocks, "max_model_len": max_model_len}
+    extra = parse_engine_args(engine_arg or [])
+    both = sorted(k for k in extra if k in ("device", "max_num_seqs", "num_kv_blocks", "max_model_len")
+                  and {"device": device, "max_num_seqs": max_num_seqs, "num_kv_blocks": num_kv_blocks,
+                       "max_model_len": max_model_len}[k] is not None)
+    if both:
+        raise ConfigError(f"{', '.join(both)} given both as an option and by --engine-arg: give it once")
+    overrides = {k: v for k, v in overrides.items() if v is not None} | extra
     try:
-        config = dataclasses.replace(EngineConfig(), **{k: v for k, v in overrides.items() if v is not None})
+        config = dataclasses.replace(EngineConfig(), **overrides)
     except ValueError as e:
         raise ConfigError(f"invalid engine setting: {e}") from e
     name = served_model_name or model_dir.name
@@ -115,6 +125,50 @@ async def _serve(server, name: str, host: str) -> None:
         shown = f"[{host}]" if ":" in host else host
         typer.echo(f"serving {name} on http://{shown}:{port}/v1")
     await task
+
+
+def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
+    """`--engine-arg KEY=VALUE` pairs as EngineConfig overrides, each value of its field's type.
+
+    Booleans take true/false (1/0, yes/no); 'none' (or 'null') is None; a field whose default is
+    None takes an int, a float, or else the string.
+
+    Raises:
+        ConfigError: no '=', an unknown field, or a value that is not of the field's type.
+    """
+    from generation.config import EngineConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key, raw = key.strip().replace("-", "_"), raw.strip()
+        if not sep or not key:
+            raise ConfigError(f"--engine-arg takes KEY=VALUE, got {pair!r}")
+        if key not in defaults:
+            raise ConfigError(f"--engine-arg: EngineConfig has no field {key!r}; valid: {', '.join(sorted(defaults))}")
+        out[key] = _engine_value(key, raw, defaults[key])
+    return out
+
+
+def _engine_value(key: str, raw: str, default: Any) -> Any:
+    if raw.lower() in ("none", "null"):
+        return None
+    if isinstance(default, bool):
+        if raw.lower() in ("true", "1", "yes", "on"):
+            return True
+        if raw.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"--engine-arg {key} takes true or false, got {raw!r}")
+    kinds: tuple[type, ...] = (int, float, str) if default is None else (type(default),)
+    if float in kinds and int not in kinds:
+        kinds = (float,)
+    for kind in kinds:
+        try:
+            return kind(raw)
+        except ValueError:
+            continue
+    raise ConfigError(f"--engine-arg {key} takes a {type(default).__name__}, got {raw!r}")
 
 
 def _read_key(api_key: str | None, api_key_file: Path | None) -> str | None:

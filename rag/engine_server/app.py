@@ -41,6 +41,7 @@ class _Job:
     namespace: str | None
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 class _Server:
@@ -134,7 +135,7 @@ class _Server:
                                     ignore_eos=body.ignore_eos, seed=body.seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return _Job(prompt_ids, params, body.cache_salt, body.stream, body.include_usage)
+        return _Job(prompt_ids, params, body.cache_salt, body.stream, body.include_usage, body.return_token_ids)
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -181,8 +182,10 @@ def create_engine_app(
     """An OpenAI-compatible server over one engine, the way `vllm serve` is used on a GPU node.
 
     Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming or not),
-    GET /health (503 once the engine has stopped) and GET /metrics/engine (the engine's counters
-    as JSON: num_running, num_kv_blocks_used, prefix_cache_hit_tokens, ...).
+    GET /health (503 once the engine has stopped), GET /metrics/engine (the engine's counters
+    as JSON: num_running, num_kv_blocks_used, prefix_cache_hit_tokens, ...) and GET /metrics (the
+    same counters and a TTFT histogram in Prometheus text, for scrapers and autoscalers; no key,
+    as vLLM's: totals over every request only, so keep it on the monitoring network).
 
     A request's `cache_salt` is its prefix-cache namespace: only requests with the same salt share
     KV blocks, so a tenant cannot probe another's cached prompts by timing. A salt is only as good
@@ -223,6 +226,13 @@ def create_engine_app(
     async def engine_metrics(srv: Srv) -> dict[str, Any]:
         return {"is_running": engine.is_running, **dataclasses.asdict(engine.get_metrics())}
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        # Imported here: the server runs where prometheus_client is missing, only /metrics does not.
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(_metrics_registry(engine)), media_type=CONTENT_TYPE_LATEST)
+
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": server.created, "owned_by": "labrag",
                 "max_model_len": server.max_model_len}
@@ -251,7 +261,7 @@ def create_engine_app(
         message = {"role": "assistant", "content": output.text}
         return JSONResponse({**head, "object": "chat.completion",
                              "choices": [{"index": 0, "message": message, "logprobs": None,
-                                          "finish_reason": output.finish_reason}],
+                                          "finish_reason": output.finish_reason, **_ids(job, output.token_ids)}],
                              "usage": _usage(output.num_prompt_tokens, output.num_output_tokens)})
 
     @v1.post("/completions")
@@ -268,7 +278,7 @@ def create_engine_app(
             return Response(status_code=499)
         return JSONResponse({**head, "object": "text_completion",
                              "choices": [{"index": 0, "text": output.text, "logprobs": None,
-                                          "finish_reason": output.finish_reason}],
+                                          "finish_reason": output.finish_reason, **_ids(job, output.token_ids)}],
                              "usage": _usage(output.num_prompt_tokens, output.num_output_tokens)})
 
     app.include_router(v1)
@@ -285,17 +295,46 @@ async def _answer(request: Request, srv: _Server, job: _Job) -> RequestOutput | 
         raise srv.engine_error(e) from None
 
 
+def _ids(job: _Job, token_ids: list[int]) -> dict[str, list[int]]:
+    return {"token_ids": list(token_ids)} if job.return_token_ids else {}
+
+
+def _metrics_registry(engine: AsyncLLMEngine):
+    """A registry that reads the engine's counters when scraped."""
+    from prometheus_client import CollectorRegistry
+
+    from rag.engine_prometheus import engine_metric_families
+
+    class _Collector:
+        def collect(self):
+            return engine_metric_families(engine.get_metrics())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())  # type: ignore[arg-type]
+    return registry
+
+
+@dataclass(frozen=True)
+class _Delta:
+    """One step's new text and the token ids behind it."""
+
+    text: str
+    token_ids: list[int]
+
+
 async def _chat_events(srv: _Server, job: _Job, head: dict[str, Any]) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-        return {**head, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    def chunk(delta: dict[str, str], finish_reason: str | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if ids is not None:
+            choice.update(_ids(job, ids))
+        return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
     yield sse(chunk({"role": "assistant", "content": ""}))
     # aclosing at every level: a closed stream must close the engine request's generator now.
     async with contextlib.aclosing(_pieces(srv, job)) as pieces:
         async for piece in pieces:
-            if isinstance(piece, str):
-                yield sse(chunk({"content": piece}))
+            if isinstance(piece, _Delta):
+                yield sse(chunk({"content": piece.text}, ids=piece.token_ids))
             elif isinstance(piece, RequestOutput):
                 yield sse(chunk({}, piece.finish_reason))
                 if job.include_usage:
@@ -307,14 +346,16 @@ async def _chat_events(srv: _Server, job: _Job, head: dict[str, Any]) -> AsyncIt
 
 
 async def _completion_events(srv: _Server, job: _Job, head: dict[str, Any]) -> AsyncIterator[str]:
-    def chunk(text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        return {**head, "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    def chunk(text: str, finish_reason: str | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if ids is not None:
+            choice.update(_ids(job, ids))
+        return {**head, "object": "text_completion", "choices": [choice]}
 
     async with contextlib.aclosing(_pieces(srv, job)) as pieces:
         async for piece in pieces:
-            if isinstance(piece, str):
-                yield sse(chunk(piece))
+            if isinstance(piece, _Delta):
+                yield sse(chunk(piece.text, ids=piece.token_ids))
             elif isinstance(piece, RequestOutput):
                 yield sse(chunk("", piece.finish_reason))
                 if job.include_usage:
@@ -325,16 +366,17 @@ async def _completion_events(srv: _Server, job: _Job, head: dict[str, Any]) -> A
     yield DONE
 
 
-async def _pieces(srv: _Server, job: _Job) -> AsyncIterator[str | RequestOutput | dict[str, Any]]:
-    """Text deltas, then the output; an error body instead if the engine fails mid-stream.
+async def _pieces(srv: _Server, job: _Job) -> AsyncIterator[_Delta | RequestOutput | dict[str, Any]]:
+    """Text deltas (with return_token_ids: every step's new tokens, text or not), then the output;
+    an error body instead if the engine fails mid-stream.
 
     Headers are sent by then, so an error can only be an event (vLLM does the same).
     """
     try:
         async with contextlib.aclosing(srv.updates(job)) as updates:
             async for update in updates:
-                if update.text_delta:
-                    yield update.text_delta
+                if update.text_delta or (job.return_token_ids and update.new_token_ids):
+                    yield _Delta(update.text_delta, list(update.new_token_ids))
                 if update.finished:
                     assert update.output is not None
                     yield update.output

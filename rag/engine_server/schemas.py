@@ -43,6 +43,10 @@ class SamplingFields(_Body):
     # The prefix-cache namespace of this request (vLLM's field): only requests with the same salt
     # share KV blocks. It is only as trustworthy as the caller that sets it (see the package doc).
     cache_salt: str | None = Field(default=None, max_length=256)
+    # vLLM's field: each choice carries the token ids it adds (`token_ids`), and a stream sends a
+    # chunk for every step that made tokens, text or not (benchmarks count tokens per chunk; a
+    # model without a tokenizer streams nothing else).
+    return_token_ids: StrictBool = False
 
     @field_validator("stop")
     @classmethod

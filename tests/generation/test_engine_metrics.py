@@ -7,7 +7,7 @@ import pytest
 from generation import SamplingParams
 from generation.config import EngineConfig
 from generation.engine.llm_engine import LLMEngine
-from generation.engine.metrics import EngineMetrics, LatencyStats
+from generation.engine.metrics import TTFT_BUCKETS, EngineMetrics, LatencyStats
 
 
 def test_ttft_and_inter_token_latencies_of_one_request():
@@ -35,6 +35,21 @@ def test_percentiles_are_nearest_rank_over_a_bounded_window():
     assert LatencyStats.of([]) == LatencyStats()
     with pytest.raises(ValueError, match="window"):
         EngineMetrics(window=0)
+
+
+def test_ttft_histogram_counts_every_first_token_since_start_in_cumulative_buckets():
+    metrics = EngineMetrics(window=2)  # the window bounds the percentiles, never the histogram
+    # TTFTs 0.001 (on a bound: counted at or below it), 0.05, 0.3, 3.0 and 5000 (past the last bound).
+    for rid, ttft in enumerate((0.001, 0.05, 0.3, 3.0, 5000.0)):
+        metrics.on_arrival(rid, 0.0)
+        metrics.on_token(rid, ttft)
+        metrics.on_token(rid, ttft + 100.0)  # later tokens add nothing
+    h = metrics.time_to_first_token_histogram()
+    assert h.bounds == TTFT_BUCKETS and h.count == 5
+    assert h.sum == pytest.approx(0.001 + 0.05 + 0.3 + 3.0 + 5000.0)
+    le = dict(zip(h.bounds, h.counts, strict=True))
+    assert (le[0.001], le[0.04], le[0.06], le[0.25], le[0.5], le[2.5], le[5.0], le[2560.0]) == (1, 1, 2, 2, 3, 3, 4, 4)
+    assert list(h.counts) == sorted(h.counts)  # cumulative
 
 
 def test_aborted_requests_leave_no_latency_state():
@@ -68,6 +83,7 @@ def test_engine_counters_follow_requests_through_their_life(tiny_model_factory):
     assert (m.num_running, m.num_waiting, m.num_kv_blocks_used) == (0, 0, 0)
     assert m.num_requests_finished == 3 and m.num_generated_tokens == sum(lengths)
     assert m.time_to_first_token.count == 3
+    assert m.time_to_first_token_histogram.count == 3 and m.time_to_first_token_histogram.sum > 0
     assert m.inter_token_latency.count == sum(n - 1 for n in lengths)
     assert m.inter_token_latency.p99 >= m.inter_token_latency.p50 > 0
     # The same 20-token prompt three times: the first two were admitted together (no hits yet),
