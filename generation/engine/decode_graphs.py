@@ -36,7 +36,7 @@ class DecodeGraphs:
 
     Args:
         model: the model; its weights and the KV cache must stay where they are for the graphs' life.
-        kv_caches: one (k_cache, v_cache) per layer.
+        kv_caches: one KVCache per layer (its FP8 scales, if any, are read by pointer at each replay).
         inputs: the packed decode inputs; its device buffer must stay where it is, too.
     """
 

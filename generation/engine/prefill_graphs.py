@@ -79,7 +79,7 @@ class PrefillGraphs:
 
     Args:
         model: the model; its weights and the KV cache must stay where they are for the graphs' life.
-        kv_caches: one (k_cache, v_cache) per layer.
+        kv_caches: one KVCache per layer (its FP8 scales, if any, are read by pointer at each replay).
         max_blocks: block-table width of a max_model_len sequence.
         pool: a CUDA graph memory pool to share (the decode graphs'), or None.
     """
