@@ -446,7 +446,8 @@ def run(args: argparse.Namespace, only: set[str], shape_name: str, sizes: Sizes,
         free_memory(device)
 
     table = results.markdown()
-    print(f"\n{header}\n\n{table}\n\nrag-prefill: {PREFILL_FLOPS_FORMULA}")
+    print(f"\n{header}\n\n{table}\n\nrag-prefill: {PREFILL_FLOPS_FORMULA}; the share is of the setting's own "
+          "matmul peak (fp8 for FP8 weights, though attention and the LM head run in bf16)")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({
             "device": device_name, "torch": torch.__version__, "date": now.isoformat(timespec="seconds"),
@@ -599,7 +600,8 @@ def run_setting(args: argparse.Namespace, only: set[str], folder: Path, sizes: S
         print(f"throughput ({len(thr_prompts)} prompts, in/out uniform {sizes.io_min}-{sizes.io_max}): "
               f"{n_out / dt:,.0f} output tok/s ({n_out} tokens in {dt:.1f} s)", flush=True)  # fmt: skip
         results.add("throughput", f"{len(thr_prompts)} prompts, in/out uniform {sizes.io_min}-{sizes.io_max}, "
-                    f"max_num_seqs {args.max_num_seqs}", label, f"{n_out / dt:,.0f} output tok/s ({dt:.1f} s)",
+                    f"max_num_seqs {args.max_num_seqs}, prefix cache {'on' if prefix_caching else 'off'}", label,
+                    f"{n_out / dt:,.0f} output tok/s ({dt:.1f} s)",
                     tokens_per_s=n_out / dt, seconds=dt, output_tokens=n_out)  # fmt: skip
 
     if "prefix" in only:

@@ -97,6 +97,9 @@ def profile(llm: LLM, read_bw: float) -> dict[str, tuple[str, float]]:
     with torch.inference_mode():
         for batch, context in STEP_CASES:
             floor = step_floor(llm, batch, context, read_bw)
+            if batch * -(-context // runner.block_size) > bm.num_free_blocks:
+                print(f"  batch {batch:<4} context {context}: skipped, {bm.num_free_blocks} KV blocks free")
+                continue
             seqs = _sequences(llm, batch, context, seed=batch)
             entries = [ScheduledEntry(s, 1, context - 1, samples=True) for s in seqs]
             runner.decode_inputs.write(entries, graphs.bucket(batch))
