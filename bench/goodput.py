@@ -3,7 +3,8 @@
 Starts `rag engine serve` (or, with --server rag, the query service `rag serve` as
 bench/serve_load_server.py runs it) in its own process, or takes --base-url of a running one, and
 runs a closed-loop sweep: at each concurrency N, N clients each send their next streaming request
-as soon as their last one finished, until the level's requests are done. Two workloads:
+as soon as their last one finished, until the level's requests are done (the clients start spread
+over one lone request's latency, measured at concurrency 1; --no-ramp: all at once). Two workloads:
 
   random  /v1/completions with random token-id prompts (default 2,048 tokens) and a fixed output
           (default 256 tokens, ignore_eos), `return_token_ids` so every chunk says how many tokens
@@ -55,8 +56,8 @@ READY = re.compile(r"serving (\S+) on (http://\S+/v1)")
 SERVED_NAME = "bench"
 # What `rag engine serve` imports beyond torch/transformers/tokenizers/safetensors (the GPU machine
 # has only those: carry these as wheels, docs/benchmarks.md "Goodput").
-SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic_settings", "typer", "click", "rich",
-                  "prometheus_client", "httpx")
+SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic_settings", "typer", "prometheus_client",
+                  "httpx")
 FP8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
 
 
@@ -276,20 +277,27 @@ async def sample_metrics(client: Any, url: str, samples: list[dict], stop: async
 
 
 async def run_level(send: Any, payloads: list[Any], concurrency: int, client: Any, metrics_url: str | None,
-                    period: float) -> tuple[list[Record], float, list[dict]]:
-    """Closed loop: `concurrency` clients take the next payload as soon as their last request ended."""
+                    period: float, ramp: float = 0.0) -> tuple[list[Record], float, list[dict]]:
+    """Closed loop: `concurrency` clients take the next payload as soon as their last request ended.
+
+    Client i starts i * ramp / concurrency seconds into the level (its clock runs from 0): spread
+    over one lone request's latency, clients reach the steady state at once instead of sending
+    every prompt in one burst and staying in lockstep (equal output lengths) for the whole level.
+    """
     queue = list(reversed(payloads))
     records: list[Record] = []
     samples: list[dict] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_metrics(client, metrics_url, samples, stop, period)) if metrics_url else None
 
-    async def user() -> None:
+    async def user(i: int) -> None:
+        if ramp:
+            await asyncio.sleep(i * ramp / concurrency)
         while queue:
             records.append(await send(queue.pop()))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(concurrency)))
+    await asyncio.gather(*(user(i) for i in range(concurrency)))
     wall = time.perf_counter() - t0
     stop.set()
     if sampler:
@@ -458,12 +466,15 @@ async def sweep_setting(args: argparse.Namespace, label: str, engine_args: dict[
                     f"{failed[:1] or ''}")
             for name, per_level in workloads.items():
                 levels: dict[int, dict] = {}
-                for c in args.concurrency_list:
+                ramp = 0.0  # one client alone's p50 latency, once concurrency 1 has run (--no-ramp: none)
+                for c in sorted(args.concurrency_list):
                     payloads = per_level[c]
                     records, wall, samples = await run_level(send_for(args.output_len), payloads, c, client,
-                                                             metrics_url, args.sample_period)
+                                                             metrics_url, args.sample_period, ramp if c > 1 else 0.0)
                     lv = {"concurrency": c, **level_stats(records, wall, args.slo_ttft, args.slo_tpot),
-                          **sampled(samples)}
+                          **sampled(samples), "ramp_s": ramp if c > 1 else 0.0}
+                    if c == 1 and args.ramp:
+                        ramp = percentile([r.latency for r in records if r.ok and r.latency], 50) or 0.0
                     levels[c] = lv
                     log(f"[{label}/{name}] {c:4d} clients: {lv['requests']} ok, {lv['failed']} failed in "
                         f"{wall:.1f} s; TTFT p50/p99 {ms(lv['ttft_p50_s'])}/{ms(lv['ttft_p99_s'])} ms, TPOT "
@@ -519,7 +530,9 @@ def report(result: dict[str, Any]) -> str:
     slo = result["slo"]
     lines = [f"# {result['hardware']}, {result['date']}",
              f"model: {result['model']}; server: {result['server']}; SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= "
-             f"{slo['tpot_s'] * 1000:g} ms; closed loop, requests per level {result['requests_per_level']}",
+             f"{slo['tpot_s'] * 1000:g} ms; closed loop, requests per level {result['requests_per_level']}; "
+             + ("each level's clients start spread over one lone request's latency (ramp_s in the JSON)"
+                if result["ramp"] else "each level's clients start together"),
              "; ".join(w for w in (
                  f"random: {result['input_len']}-token random prompts, {result['output_len']} output tokens "
                  "(ignore_eos)" if "random" in result["workloads"] else "",
@@ -616,6 +629,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.050, help="TPOT SLO, seconds")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
+    ap.add_argument("--no-ramp", dest="ramp", action="store_false",
+                    help="start a level's clients together (one burst of prompts) instead of spread over one lone "
+                    "request's latency (taken from concurrency 1)")
     ap.add_argument("--sample-period", type=float, default=0.25, help="seconds between /metrics samples")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=900.0)
@@ -718,7 +734,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join(sys.argv), "concurrency": args.concurrency_list, "requests_per_level": sizes,
         "input_len": args.input_len, "output_len": args.output_len, "source_tokens": args.source_tokens,
         "chunks": args.chunks, "zipf": args.zipf, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
-        "workloads": list(workloads),
+        "workloads": list(workloads), "ramp": args.ramp,
         "settings": []}
     out_path = Path(args.out) if args.out else None
 
