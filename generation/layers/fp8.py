@@ -100,12 +100,24 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
+        self._dequantized: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and fp8_kernels_serve(x.device):
             from generation.layers import triton_fp8
 
             return triton_fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if not x.is_cuda:
+            # CPU reference: the dequantized fp32 weight is kept after its first use (a CPU run
+            # is for checking numerics, and dequantizing every matrix at every step dominated it).
+            # Loading new weights in place (load_weights, fill_dummy_weights) happens before any forward.
+            if self._dequantized is None or self._dequantized.device != self.weight.device:
+                self._dequantized = dequantize_rows(self.weight, self.weight_scale)
+            qx, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+            y = dequantize_rows(qx, sx) @ self._dequantized.t()
+            if self.bias is not None:
+                y = y + self.bias.float()
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
