@@ -165,7 +165,9 @@ class EngineServer:
 
     def __init__(self, model: Path, device: str, engine_args: dict[str, str], log_path: Path, home: Path) -> None:
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "rag.cli.engine", "serve", str(model), "--port", "0", "--device", device,
+        # `rag engine serve`, through the console script's entry point (no install needed).
+        cmd = [sys.executable, "-c", "from rag.cli import main; main()", "engine", "serve", str(model), "--port", "0",
+               "--device", device,
                "--served-model-name", SERVED_NAME, "--log-level", "warning"]
         for key, value in engine_args.items():
             cmd += ["--engine-arg", f"{key}={value}"]
@@ -173,7 +175,7 @@ class EngineServer:
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         env.setdefault("RAG_HOME", str(home))
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        log("starting " + " ".join(cmd[1:]))
+        log("starting rag " + " ".join(cmd[3:]))
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.base: str | None = None
 
@@ -379,7 +381,7 @@ def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, int, str,
 
         folder = work / "llama-8b-shape"
         folder.mkdir(parents=True, exist_ok=True)
-        config = LlamaConfig(**LLAMA_8B, torch_dtype="bfloat16", tie_word_embeddings=False)
+        config = LlamaConfig(**{"tie_word_embeddings": False, **LLAMA_8B, "torch_dtype": "bfloat16"})
         # No tokenizer: the engine serves token-id prompts only, which is all this bench sends.
         (folder / "config.json").write_text(config.to_json_string())
         return (folder, LLAMA_8B["vocab_size"], "Llama-3.1-8B shape, random weights made on the device "
@@ -404,7 +406,7 @@ def parse_engine_args(text: str | None) -> dict[str, str]:
 def settings_of(args: argparse.Namespace, base: dict[str, str]) -> list[tuple[str, dict[str, str]]]:
     """(label, engine args) per server process: one, or bf16 and fp8 with --compare-dtypes."""
     if args.compare_dtypes:
-        plain = "fp32" if args.tiny else "bf16"
+        plain = "fp32" if args.device == "cpu" else "bf16"
         return [(plain, dict(base)), ("fp8", {**base, **FP8})]
     label = ",".join(f"{k}={v}" for k, v in base.items() if k != "load_format") or "default"
     return [(label, dict(base))]
@@ -635,6 +637,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sample-period", type=float, default=0.25, help="seconds between /metrics samples")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=900.0)
+    ap.add_argument("--device", default=None, help="the server's device (default: cuda when available; tiny: cpu)")
     ap.add_argument("--port", type=int, default=8411, help="rag serve's port (the engine server picks a free one)")
     ap.add_argument("--work", default=None, help="folder for models, corpus and logs (default: a temporary one)")
     ap.add_argument("--seed", type=int, default=0)
@@ -642,7 +645,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not (args.model or args.dummy_shape or args.tiny or args.base_url):
         ap.error("give --model, --dummy-shape, --tiny or --base-url")
-    args.device = "cpu" if args.tiny else "cuda"
+    if args.device is None:
+        import torch
+
+        args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     concs = args.concurrency or ("1,2,4" if args.tiny else "1,8,32,64,128")
     args.concurrency_list = [int(c) for c in concs.split(",")]
     args.min_requests = args.min_requests or (4 if args.tiny else 8)

@@ -90,10 +90,14 @@ def serve(
     if key is None and not _is_loopback(host):
         typer.echo(f"warning: serving on {host} without an API key: anyone who reaches this port may generate "
                    "and choose cache salts (set RAG_ENGINE_API_KEY or --api-key-file)", err=True)
-    model_dir = resolve_model_dir(None if model == DEFAULT_MODEL else model, settings.model_cache)
+    extra = parse_engine_args(engine_arg or [])
+    if extra.get("load_format") == "dummy" and Path(model).expanduser().is_dir():
+        # Random weights from config.json alone: no checkpoint to look for (the loader checks config.json).
+        model_dir = Path(model).expanduser()
+    else:
+        model_dir = resolve_model_dir(None if model == DEFAULT_MODEL else model, settings.model_cache)
     overrides = {"device": device or settings.device, "max_num_seqs": max_num_seqs or settings.engine_max_num_seqs,
                  "num_kv_blocks": num_kv_blocks or settings.engine_num_kv_blocks, "max_model_len": max_model_len}
-    extra = parse_engine_args(engine_arg or [])
     both = sorted(k for k in extra if k in ("device", "max_num_seqs", "num_kv_blocks", "max_model_len")
                   and {"device": device, "max_num_seqs": max_num_seqs, "num_kv_blocks": num_kv_blocks,
                        "max_model_len": max_model_len}[k] is not None)

@@ -82,7 +82,8 @@ def test_prometheus_samples_and_engine_args(bench):
     assert got == {"rag_engine_num_requests_waiting": 3.0, "rag_engine_kv_cache_usage_ratio": 0.25}
     assert bench.parse_engine_args("quantization=fp8, max_num_seqs=128") == {"quantization": "fp8",
                                                                              "max_num_seqs": "128"}
-    args = bench.parse_args(["--dummy-shape", "llama-8b", "--compare-dtypes", "--engine-args", "max_num_seqs=128"])
+    args = bench.parse_args(["--dummy-shape", "llama-8b", "--compare-dtypes", "--engine-args", "max_num_seqs=128",
+                             "--device", "cuda"])
     assert bench.settings_of(args, {"load_format": "dummy", "max_num_seqs": "128"}) == [
         ("bf16", {"load_format": "dummy", "max_num_seqs": "128"}),
         ("fp8", {"load_format": "dummy", "max_num_seqs": "128", "quantization": "fp8", "kv_cache_dtype": "fp8"})]
