@@ -304,7 +304,9 @@ class Rag:
         return LocalGenerator(path, device=self.settings.device, max_num_seqs=self.settings.engine_max_num_seqs,
                               num_kv_blocks=self.settings.engine_num_kv_blocks,
                               kv_reuse=self.settings.engine_kv_reuse,
-                              host_kv_blocks=self.settings.engine_host_kv_blocks)
+                              host_kv_blocks=self.settings.engine_host_kv_blocks,
+                              quantization=self.settings.engine_quantization,
+                              kv_cache_dtype=self.settings.engine_kv_cache_dtype)
 
     @cached_property
     def admission(self) -> AdmissionControl:

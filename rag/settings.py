@@ -151,6 +151,11 @@ class Settings(BaseSettings):
     # KV blocks evicted from the GPU kept in (pinned) host memory and copied back on a hit; 0 = off.
     # Each block costs layers x 2 x block_size x kv_heads x head_dim x dtype bytes (2 MiB for an 8B model).
     engine_host_kv_blocks: int = Field(default=0, ge=0)
+    # FP8 for the local engine (Hopper/Ada GPUs; on CPU a reference path): "fp8" runs the decoder's
+    # linear layers in e4m3 (a bf16 checkpoint is quantized at load; an FP8 checkpoint is always
+    # FP8); engine_kv_cache_dtype "fp8" stores KV in e4m3, twice the tokens per GiB.
+    engine_quantization: Literal["fp8"] | None = None
+    engine_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     # Admission control of the query service: generations in flight, and requests waiting for
     # one; past both, 429 with Retry-After. Each request has a deadline (504 past it).
     max_concurrent_generations: int = Field(default=64, ge=1, le=4096)

@@ -43,12 +43,14 @@ class LocalGenerator:
             With "chunks", a RAG prompt goes to the engine as its layout's segments (head, labels,
             chunks, suffix), so a chunk's KV is reused wherever it lands.
         host_kv_blocks: blocks of the engine's host-memory KV tier (None or 0: off).
+        quantization: None or "fp8" (EngineConfig.quantization); kv_cache_dtype: "auto" or "fp8".
     """
 
     def __init__(self, model_dir: Path | None = None, device: str | None = None,
                  max_num_seqs: int | None = None, num_kv_blocks: int | None = None,
                  engine: Any | None = None, kv_reuse: str | None = None,
-                 host_kv_blocks: int | None = None) -> None:
+                 host_kv_blocks: int | None = None, quantization: str | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         from generation.engine.async_engine import AsyncLLMEngine
 
         if engine is None:
@@ -58,7 +60,9 @@ class LocalGenerator:
             assert model_dir is not None, "pass model_dir or engine"
             overrides = {k: v for k, v in {"device": device, "max_num_seqs": max_num_seqs,
                                             "num_kv_blocks": num_kv_blocks, "kv_reuse": kv_reuse,
-                                            "host_kv_blocks": host_kv_blocks or None}.items()
+                                            "host_kv_blocks": host_kv_blocks or None,
+                                            "quantization": quantization,
+                                            "kv_cache_dtype": kv_cache_dtype}.items()
                          if v is not None}
             if max_num_seqs is not None:
                 overrides["max_num_batched_tokens"] = max(EngineConfig.max_num_batched_tokens, max_num_seqs)

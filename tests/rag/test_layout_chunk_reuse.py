@@ -97,23 +97,33 @@ def test_the_local_generator_sends_rag_prompts_as_segments_when_chunks_are_reuse
 
 def test_the_settings_reach_the_engine(tmp_path, model_dir):
     import pytest
+    import torch
 
     from rag.generators.local import LocalGenerator
     from rag.settings import load_settings
 
     defaults = load_settings(home=tmp_path / "a")
     assert (defaults.engine_kv_reuse, defaults.engine_host_kv_blocks) == ("exact", 0)
-    chosen = load_settings(home=tmp_path / "b", engine_kv_reuse="chunks", engine_host_kv_blocks=4)
+    assert (defaults.engine_quantization, defaults.engine_kv_cache_dtype) == (None, "auto")
+    chosen = load_settings(home=tmp_path / "b", engine_kv_reuse="chunks", engine_host_kv_blocks=4,
+                           engine_quantization="fp8", engine_kv_cache_dtype="fp8")
     assert (chosen.engine_kv_reuse, chosen.engine_host_kv_blocks) == ("chunks", 4)
+    with pytest.raises(Exception, match="engine_quantization"):
+        load_settings(home=tmp_path / "e", engine_quantization="int4")
     with pytest.raises(Exception, match="engine_kv_reuse"):
         load_settings(home=tmp_path / "c", engine_kv_reuse="approximately")
     with pytest.raises(Exception, match="engine_host_kv_blocks"):
         load_settings(home=tmp_path / "d", engine_host_kv_blocks=-1)
     generator = LocalGenerator(model_dir, device="cpu", num_kv_blocks=64, kv_reuse=chosen.engine_kv_reuse,
-                               host_kv_blocks=chosen.engine_host_kv_blocks)
+                               host_kv_blocks=chosen.engine_host_kv_blocks, quantization=chosen.engine_quantization,
+                               kv_cache_dtype=chosen.engine_kv_cache_dtype)
     try:
         config = generator.engine.engine.config
         assert (config.kv_reuse, config.host_kv_blocks) == ("chunks", 4)
+        assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
+        runner = generator.engine.engine.model_runner
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert type(runner.model.model.layers[0].mlp.down_proj).__name__ == "Fp8Linear"
         assert generator.metrics().host_kv_blocks == 4
     finally:
         generator.engine.shutdown()
