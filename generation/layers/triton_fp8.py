@@ -80,9 +80,9 @@ def scaled_mm_linear(
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ dequant(weight [N, K]).T: per-token quantization here, then one torch._scaled_mm."""
     qx, sx = quantize_rows(x)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    # Row-wise scales give bf16 out (some torch versions take no other output dtype with them).
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
-                         out_dtype=out_dtype)  # fmt: skip
+                         out_dtype=torch.bfloat16)  # fmt: skip
     if bias is not None:
         y = y + bias
     return y if y.dtype == x.dtype else y.to(x.dtype)
