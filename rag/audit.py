@@ -4,12 +4,14 @@ Each entry: `time` (ISO 8601, UTC), `route`, `user` (null when the key was refus
 user was known), `key_id`, `via_proxy`, `collection`, `question_sha256`, `question` (only with
 `audit_questions = true`), `cited` (document keys, never text), `status` (HTTP), `latency_ms`
 and `stream`. The file is opened O_APPEND with mode 0600 and each entry is one write(), so
-concurrent writers never interleave and nothing rewrites what is there. No API route reads it:
-`rag audit` (rag/cli/audit.py) is the operator's tool.
+concurrent writers never interleave and nothing rewrites what is there. With store = pgvector the
+same lines go to the append-only `rag_audit` table instead (rag/pg_audit.py), one log for every
+replica. No API route reads either: `rag audit` (rag/cli/audit.py) is the operator's tool.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -103,11 +105,13 @@ class RequestAudit:
 
 
 def audit_log(app) -> AuditLog:
-    """The app's audit log, opened on first use over its data directory."""
+    """The app's audit log, opened on first use: HOME/audit.jsonl, or PostgreSQL's with store = pgvector."""
     log = getattr(app.state, "audit_log", None)
     if log is None:
-        settings = app.state.rag.settings
-        log = app.state.audit_log = AuditLog(settings.home / AUDIT_FILE, settings.audit_questions)
+        from rag.identity_backend import open_audit_log
+
+        rag = app.state.rag
+        log = app.state.audit_log = open_audit_log(rag.settings, lambda: rag.dsn)
     return log
 
 
@@ -143,7 +147,10 @@ async def audit_event(request, answer=None, status: int = 200, stream: bool = Fa
     }
     if log.keep_questions:
         entry["question"] = question
-    log.write(entry)
+    if getattr(log, "blocking", False):  # a database round trip: off the event loop
+        await asyncio.to_thread(log.write, entry)
+    else:
+        log.write(entry)
 
 
 async def audited_stream(request, answer, chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -21,7 +21,6 @@ import numpy as np
 from ingest.deletion_guard import DeletionGuard
 from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
 from ingest.source_names import SourceNamer
-from permissions.identity import IdentityStore
 from permissions.models import Principal
 from rag.admission import AdmissionControl
 from rag.answer_mode import AnswerMode, resolve_answer_mode
@@ -31,6 +30,7 @@ from rag.conversation import retrieval_query_for
 from rag.errors import ConfigError, NotFoundError
 from rag.extractive import extract_answer
 from rag.generator import SHARED_NAMESPACE, CacheSegment, GenerationParams, GenerationRequest, Generator, TextDelta
+from rag.identity_backend import open_identity, store_dsn
 from rag.ingest_lock import exclusive_ingest
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
@@ -60,7 +60,8 @@ class Rag:
         self.settings = settings
         ensure_private_dir(settings.home, fix=settings.home_permissions == "fix")
         self.catalog = Catalog(settings.catalog_path)
-        self.identity = IdentityStore(settings.catalog_path)
+        # The data directory's SQLite, or with store = pgvector the database every replica shares.
+        self.identity = open_identity(settings, lambda: self.dsn)
         self.stores = CollectionStores(settings.store, lambda: self.catalog, settings.index_dir, lambda: self.dsn)
 
     async def aclose_generator(self) -> None:
@@ -137,16 +138,7 @@ class Rag:
     @cached_property
     def dsn(self) -> str:
         """The PostgreSQL URL of the pgvector store: settings.dsn, else the local server."""
-        if self.settings.dsn:
-            return self.settings.dsn
-        from rag.local_postgres.server import local_dsn
-
-        dsn = local_dsn(self.settings.home)
-        if dsn is None:
-            raise ConfigError(
-                "store is pgvector but no PostgreSQL server is configured: run `rag db start` "
-                "for a local one, or pass --dsn postgresql://USER@HOST:PORT/DB (or set RAG_DSN)")
-        return dsn
+        return store_dsn(self.settings)
 
     def collection_names(self) -> list[str]:
         return self.stores.names()

@@ -1,4 +1,5 @@
-"""`rag audit`: the operator's view of the audit log (HOME/audit.jsonl); no API route reads it."""
+"""`rag audit`: the operator's view of the audit log (HOME/audit.jsonl, or PostgreSQL's `rag_audit` with
+store = pgvector); no API route reads it."""
 
 from __future__ import annotations
 
@@ -21,16 +22,22 @@ def audit(
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="only the last N matching entries")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
 ) -> None:
-    """List audit entries of /v1/query and /v1/chat/completions, oldest first.
+    """List audit entries of /v1/query and /v1/chat/completions, oldest first (of every replica with
+    store = pgvector: they share one log in PostgreSQL).
 
     Each line: time, status, user, key id (and "via proxy"), collection, latency, cited documents
     and the question's SHA-256 (its text too when audit_questions = true).
     """
-    from rag.audit import AUDIT_FILE, AuditLog, one_line_json
+    from rag.audit import one_line_json
+    from rag.identity_backend import open_audit_log
     from rag.settings import load_settings
 
     settings = load_settings(home=ctx.find_root().params.get("home"))
-    entries = AuditLog(settings.home / AUDIT_FILE).read(user=user, since=_parse_time(since), limit=limit)
+    log = open_audit_log(settings)  # the data directory's file, or with store = pgvector the shared table
+    try:
+        entries = log.read(user=user, since=_parse_time(since), limit=limit)
+    finally:
+        log.close()
     for e in entries:
         if as_json:
             typer.echo(one_line_json(e, separators=(", ", ": ")))

@@ -103,12 +103,14 @@ def migrate(
 
     Safe to run again: a database already at the current version is left as it is.
     """
+    from rag.pg_identity_schema import migrate_identity
     from retrieval.stores.pgvector.schema import mask_dsn
     from retrieval.stores.pgvector.schema import migrate as migrate_schema
 
     target = _target_dsn(ctx, dsn, "migrate")
     version = migrate_schema(target)
-    typer.echo(f"schema version {version} at {mask_dsn(target)}")
+    identity_version = migrate_identity(target)  # users, keys and the audit log of store = pgvector
+    typer.echo(f"schema version {version} at {mask_dsn(target)} (identity tables: version {identity_version})")
 
 
 @db_app.command()

@@ -27,7 +27,8 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="API keys for `rag serve` (each stands for a user and groups).",
                        no_args_is_help=True)
-users_app = typer.Typer(help="The user directory: which groups each user belongs to.",
+users_app = typer.Typer(help="The user directory: which groups each user belongs to (in PostgreSQL with "
+                        "store = pgvector, shared by every replica).",
                         no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
@@ -513,6 +514,43 @@ def users_list(as_json: AsJson = False) -> None:
         return
     for p in users:
         typer.echo(f"{p.user}: {', '.join(sorted(p.groups)) or '(no groups)'}")
+
+
+@users_app.command("migrate")
+def users_migrate(dsn: Dsn = None) -> None:
+    """Copy this data directory's users and API keys into PostgreSQL, where store = pgvector keeps them.
+
+    With store = pgvector every `rag serve` replica reads users, groups and keys from the store's
+    database. This copies those of the data directory (--home) there: users with their groups,
+    and keys as they are (hashes only, revoked ones stay revoked, scopes and admin flags kept), so
+    keys handed out before keep working. Safe to run again: what is there already is skipped; a
+    user registered in both with other groups keeps the database's groups and is listed.
+    """
+    from permissions.identity import IdentityStore
+    from rag.identity_backend import store_dsn
+    from rag.pg_identity import PgIdentityStore
+    from rag.settings import load_settings
+    from retrieval.stores.pgvector.schema import mask_dsn
+
+    settings = load_settings(home=_state.get("home"), dsn=dsn)
+    if not settings.catalog_path.exists():
+        raise RagError(f"no users or keys to copy: {settings.catalog_path} does not exist (is --home right?)")
+    target = store_dsn(settings)
+    source, shared = IdentityStore(settings.catalog_path), PgIdentityStore(target)
+    try:
+        users, keys = source.users(), source.key_records()
+        report = shared.import_records(users, keys)
+    finally:
+        source.close()
+        shared.close()
+    typer.echo(f"copied {report.users_added} of {len(users)} users and {report.keys_added} of {len(keys)} keys "
+               f"to {mask_dsn(target)} (the rest were there already)")
+    for user in report.conflicts:
+        typer.echo(f"  {user}: registered there with other groups, kept as they are there "
+                   f"(change them with `rag users add {user} -g ...` under store = pgvector)")
+    if settings.store != "pgvector":
+        typer.echo("note: this data directory's store is not pgvector: set store = \"pgvector\" and dsn "
+                   "(rag.toml or RAG_STORE / RAG_DSN) for `rag serve` and `rag keys` to use them")
 
 
 def main() -> None:

@@ -14,13 +14,6 @@ from permissions.identity import IdentityStore
 from rag.errors import ConfigError
 
 
-@pytest.fixture
-def ids(tmp_path):
-    store = IdentityStore(tmp_path / "c.sqlite")
-    yield store
-    store.close()
-
-
 def _key_id(key: str) -> str:
     return key.split("_")[1]
 

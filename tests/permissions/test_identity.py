@@ -1,4 +1,4 @@
-"""API keys and the user directory."""
+"""API keys and the user directory, on every identity backend (tests/permissions/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,31 +14,23 @@ from permissions.models import Principal, make_acl
 from rag.errors import AuthenticationError, ConfigError, NotFoundError
 
 
-@pytest.fixture
-def ids(tmp_path):
-    s = IdentityStore(tmp_path / "c.sqlite")
-    yield s
-    s.close()
-
-
 def test_key_maps_to_user_and_groups(ids):
     key = ids.create_key("alice", ["genomics", "shared"])
     assert ids.authenticate(key) == Principal("alice", frozenset({"genomics", "shared"}))
 
 
-def test_keys_are_stored_hashed(ids, tmp_path):
+def test_keys_are_stored_hashed(ids, raw):
     key = ids.create_key("alice", ["genomics"])
-    raw = sqlite3.connect(tmp_path / "c.sqlite").execute("SELECT * FROM api_keys").fetchall()
-    assert key not in repr(raw)
+    rows = raw.key_rows()
+    assert len(rows) == 1 and key not in repr(rows)
     # The secret is everything after "rag_<id>_"; token_urlsafe may itself contain "_".
     secret = key.split("_", 2)[2]
-    assert secret not in repr(raw)
+    assert secret not in repr(rows)
 
 
-def test_the_stored_hash_is_the_sha256_of_the_whole_key(ids, tmp_path):
+def test_the_stored_hash_is_the_sha256_of_the_whole_key(ids, raw):
     keys = [ids.create_key("alice", ["genomics"]), ids.create_key(None, label="open-webui", proxy=True)]
-    rows = dict(sqlite3.connect(tmp_path / "c.sqlite").execute("SELECT key_id, key_hash FROM api_keys"))
-    assert rows == {key.split("_")[1]: hashlib.sha256(key.encode()).hexdigest() for key in keys}
+    assert raw.hashes() == {key.split("_")[1]: hashlib.sha256(key.encode()).hexdigest() for key in keys}
 
 
 class _NoEq(str):
@@ -153,14 +145,14 @@ def test_a_registered_users_key_follows_the_directorys_groups(ids):
     assert ids.registered("carl").groups == {"x"} and ids.authenticate(first).groups == {"x"}
 
 
-def test_a_key_never_carries_groups_of_its_own(ids):
+def test_a_key_never_carries_groups_of_its_own(ids, raw):
     ids.add_user("alice", ["genomics"])
     with pytest.raises(ConfigError, match="registered with groups genomics"):
         ids.create_key("alice", ["imaging"])  # would have been a silent widening
     key = ids.create_key("alice", ["genomics"])  # the same groups: fine
     # A user missing from the directory (a hand-edited database, a key from an older version)
     # gets no groups from the key's creation record: fail closed.
-    ids.conn.execute("DELETE FROM users WHERE name = 'alice'")
+    raw.delete_user("alice")
     assert ids.authenticate(key).groups == frozenset()
 
 
@@ -180,9 +172,7 @@ def test_a_scope_narrows_a_key_and_never_widens_it(ids):
 
 
 def test_keys_made_before_scopes_existed_keep_working(tmp_path):
-    import sqlite3
 
-    from permissions.identity import IdentityStore
     path = tmp_path / "identity.db"
     old = sqlite3.connect(path)  # the schema of the previous release: no scope column
     old.executescript("""

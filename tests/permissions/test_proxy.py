@@ -93,13 +93,6 @@ def test_256_characters_is_still_a_name():
                               directory.get).user == name
 
 
-@pytest.fixture
-def ids(tmp_path):
-    s = IdentityStore(tmp_path / "c.sqlite")
-    yield s
-    s.close()
-
-
 def test_proxy_keys_stand_for_no_user(ids):
     key = ids.create_key(None, label="open-webui", proxy=True)
     auth = ids.authenticate_key(key)
