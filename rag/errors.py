@@ -40,6 +40,14 @@ class StoreError(RagError):
     """The index or catalog is unusable: dimension mismatch, corrupt file, wrong model."""
 
 
+class StoreUnavailable(StoreError):
+    """The database server does not answer or dropped the connection (the service answers 503).
+
+    Nothing is half-written when this is raised mid-write: the transaction rolled back (or
+    committed whole). Start the server again and retry; an ingest resumes where it stopped.
+    """
+
+
 class ModelError(RagError):
     """A model could not be found, converted or loaded."""
 

@@ -1,5 +1,8 @@
 """A real PostgreSQL + pgvector for tests: one throwaway server per session, a fresh database per test.
 
+Tests that stop and start the server (database faults) get one of their own (`own_pg_server`,
+`server_stopped`), so no other test loses its database meanwhile.
+
 The server is `rag.local_postgres.server.LocalPostgres` (the code path of `rag db start`) in a temporary directory,
 tuned for speed over durability; like that one it wants a password, which every DSN here carries.
 Each test's database is cloned from a template that already has the `vector` extension, which
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -40,6 +44,42 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgre
         yield pg
     finally:
         pg.destroy()  # pg_ctl -m immediate, then delete the cluster
+
+
+@pytest.fixture
+def own_pg_server(tmp_path: Path) -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of this test's own, which it may stop and start; deleted afterwards.
+
+    Its default database (`server.dsn`, with the password) has the `vector` extension.
+    """
+    pg = LocalPostgres(tmp_path / "own-postgres", server_options=THROWAWAY_OPTIONS)
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.destroy()
+
+
+def stop_server(server: LocalPostgres, mode: str = "fast") -> int:
+    """Stop `server` with pg_ctl (`mode`: fast, immediate, smart); returns its port, for `start_server`."""
+    port = server.status()["port"]
+    assert server.stop(mode), "the server was not running"
+    return int(port)
+
+
+def start_server(server: LocalPostgres, port: int) -> None:
+    """Start `server` again on `port`: its DSN (password included) is the same as before the stop."""
+    server.start(port=port)
+
+
+@contextlib.contextmanager
+def server_stopped(server: LocalPostgres, mode: str = "fast") -> Iterator[None]:
+    """`server` down for the `with` block (pg_ctl stop), up again on the same port afterwards."""
+    port = stop_server(server, mode)
+    try:
+        yield
+    finally:
+        start_server(server, port)
 
 
 @pytest.fixture

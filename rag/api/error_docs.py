@@ -44,7 +44,8 @@ _ERRORS: dict[int, tuple[str, dict]] = {
     413: ("The request body is larger than the server's max_request_bytes", {}),
     429: ("Too many questions waiting for the generator: retry after Retry-After seconds", _RETRY_AFTER),
     502: ("The answer generator refused the request", {}),
-    503: ("The answer generator is unavailable: retry after Retry-After seconds", _RETRY_AFTER),
+    503: ("The answer generator or the document database is unavailable: retry after Retry-After seconds",
+          _RETRY_AFTER),
     504: ("The answer took longer than the server's request_timeout", {}),
 }
 

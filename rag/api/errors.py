@@ -27,6 +27,7 @@ from rag.errors import (
     OverloadedError,
     PermissionDenied,
     RagError,
+    StoreUnavailable,
 )
 from rag.openai_wire import ApiError, error_body, validation_error
 
@@ -40,9 +41,14 @@ _STATUS = [
     (ConfigError, 422),
     (OverloadedError, 429),
     (GeneratorUnavailable, 503),
+    (StoreUnavailable, 503),
     (DeadlineExceeded, 504),
     (GenerationError, 502),
 ]
+
+# Seconds a client waits before retrying while the database is away (a restart takes a few).
+STORE_RETRY_AFTER = 5
+
 
 def status_for(error: RagError) -> int:
     for kind, status in _STATUS:
@@ -69,6 +75,12 @@ def rag_error_response(request: Request, exc: RagError) -> JSONResponse:
     headers = None
     if status == 429:
         headers = {"Retry-After": str(int(getattr(exc, "retry_after", 1)))}
+    if isinstance(exc, StoreUnavailable):
+        # The database is away (stopped, restarting, unreachable): worth retrying, as for a 429.
+        # Its address stays in the log (never its password: the store masks every DSN it names).
+        log.error("document store unavailable: %s", exc)
+        return error_response(request, 503, "the document database is unavailable; try again later",
+                              headers={"Retry-After": str(STORE_RETRY_AFTER)})
     if status in (502, 503):
         # What failed inside (a CUDA error, a remote server's URL) is for the log, not the client.
         log.error("generator failure: %s", exc)

@@ -67,6 +67,7 @@ class Health(BaseModel):
 class Ready(BaseModel):
     ready: bool
     generator: str
+    database: str | None = None  # pgvector only: "ok" or "not answering"
     detail: str | None = None
     in_flight: int = 0
     queued: int = 0

@@ -80,6 +80,19 @@ class CollectionStores:
             return open_for_ingest(self._catalog(), name, spec, self._index_dir, self.kind,
                                    lambda: self._open_live(name))
 
+    def unavailable(self) -> str | None:
+        """Why a query could not reach the store now, or None: pgvector asks its server (a connection
+        of its own, a few seconds at most); the embedded store is files, always there.
+
+        Raises:
+            ConfigError: pgvector with no server configured.
+        """
+        if not self.is_pgvector:
+            return None
+        from retrieval.stores.pgvector.session import ping
+
+        return ping(self._dsn())
+
     def names(self) -> list[str]:
         """The live collections, sorted."""
         if self.is_pgvector:

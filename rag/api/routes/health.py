@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -11,7 +13,9 @@ from rag.api.deps import CallerDep, RagDep
 from rag.api.error_docs import KEYED, error_responses
 from rag.api.errors import ApiError
 from rag.api.schemas import Health, Ready
+from rag.errors import RagError
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -23,7 +27,8 @@ async def healthz(rag: RagDep) -> Health:
 
 
 @router.get("/readyz", responses={200: {"model": Ready, "description": "Ready to answer"},
-                                  503: {"model": Ready, "description": "Not ready: the generator is not answering"}})
+                                  503: {"model": Ready,
+                                        "description": "Not ready: the generator or the database is not answering"}})
 async def readyz(rag: RagDep) -> JSONResponse:
     generator = rag.__dict__.get("generator")
     admission = rag.admission.snapshot()
@@ -37,6 +42,17 @@ async def readyz(rag: RagDep) -> JSONResponse:
         ready = await check() if check is not None else generator.is_ready()
         if not ready:
             body.update(ready=False, detail="the generator is not running or not answering")
+    if rag.stores.is_pgvector:
+        # Every query reads PostgreSQL: asked afresh each time, so readiness comes back with the server.
+        try:
+            problem = await asyncio.to_thread(rag.stores.unavailable)
+        except RagError as e:  # no server configured
+            problem = str(e)
+        body["database"] = "ok" if problem is None else "not answering"
+        if problem is not None:
+            log.warning("not ready: %s", problem)
+            detail = f"the database is not answering: {problem}"
+            body.update(ready=False, detail=f"{body['detail']}; {detail}" if body.get("detail") else detail)
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 

@@ -2,7 +2,11 @@
 searches need, retried once after the server dropped it, its errors told in words.
 
 Used by one thread at a time (a lock): `PgvectorCollection` runs every statement through
-`read` (autocommit) or `write` (one transaction).
+`read` (autocommit) or `write` (one transaction). There is no pool: a connection found broken is
+dropped at once, so the first call after the server comes back opens a fresh one (a server that
+went away while the connection sat idle costs that call one reconnect, not a failure). A server
+that does not answer, or a connection lost mid-statement, raises `StoreUnavailable` (the service
+answers 503); every message shows the DSN without its password (`mask_dsn`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from typing import TypeVar
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
-from rag.errors import StoreError
+from rag.errors import StoreError, StoreUnavailable
 from retrieval.stores.pgvector.schema import connect, mask_dsn
 
 log = logging.getLogger(__name__)
@@ -49,7 +54,9 @@ class PgSession:
                 self._conn = None
 
     def connection(self) -> psycopg.Connection:
-        if self._conn is None or self._conn.closed:
+        """The open connection, or a new one (StoreUnavailable when the server does not answer)."""
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = None
             conn = connect(self.dsn, autocommit=True)
             try:
                 from pgvector.psycopg import register_vector
@@ -69,6 +76,11 @@ class PgSession:
                     # (updates, ACL changes, deletions) still commit durably
                     # (`PgvectorCollection._durable`).
                     conn.execute("SET synchronous_commit = off")
+            except psycopg.OperationalError as e:  # the server went away between connect and SET
+                conn.close()
+                raise StoreUnavailable(
+                    f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} while opening it ({e}): "
+                    f"{WHAT_TO_DO}") from e
             except psycopg.Error as e:
                 conn.close()
                 raise StoreError(
@@ -121,7 +133,39 @@ class PgSession:
         if not (conn.closed or conn.broken):
             return StoreError(f"{what} in collection {self._describe()!r} failed: {e}")
         self._conn = None  # the next call reconnects
-        return StoreError(
-            f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} while {what} ({e}); "
-            "a document is never half-written: check the server and run again"
+        return StoreUnavailable(
+            f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} while {what} "
+            f"({_first_line(e)}): {WHAT_TO_DO}"
         )
+
+
+# What every "server gone" message ends with: what to do, and that nothing was half-written.
+WHAT_TO_DO = ("nothing was half-written (each document is one transaction); check that the server is "
+              "running (`rag db status` for a local one) and run the same command again: an ingest "
+              "resumes where it stopped")
+
+
+def ping(dsn: str, timeout: float = 3.0) -> str | None:
+    """None when the server at `dsn` answers a query within `timeout` seconds, else why not (no password).
+
+    A connection of its own, not a collection's: a readiness probe must not wait behind a search.
+    """
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, round(timeout))) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as e:
+        return f"PostgreSQL at {server_address(dsn)} does not answer ({mask_dsn(_first_line(e))})"
+    return None
+
+
+def server_address(dsn: str) -> str:
+    """host:port/database of a DSN (URL or key=value), without user or password."""
+    try:
+        info = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "the configured server"
+    return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or ''}".rstrip("/")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
