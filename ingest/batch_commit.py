@@ -2,9 +2,11 @@
 
 Each embed call takes at most `batch_chunks` chunks, from as many documents as it takes to fill
 it. When it returns, every document whose last chunk it embedded is written to the store (one
-transaction each), and the embedded chunks of the document still being read are staged
-(`ingest.staging`), so a kill at any moment loses at most the batch being embedded, and a huge
-document never shows half of a new version: it is written whole once its last chunk is embedded.
+transaction each, or a batch of them where the store batches: pgvector), and the embedded chunks
+of the document still being read are staged (`ingest.staging`), so a kill at any moment loses at
+most the batch being embedded (and the documents a store had not yet committed, which the next run
+writes again), and a huge document never shows half of a new version: it is written whole once its
+last chunk is embedded.
 """
 
 from __future__ import annotations
@@ -175,8 +177,10 @@ class BatchCommitter:
         assert [c.index for c in chunks] == list(range(entry.num_chunks)), doc.key
         self.index.replace_document(doc, entry.acl, chunks, vectors)
         if entry._staged:
-            # After the store's commit: a kill in between leaves rows that the next run drops (the
-            # document is unchanged then, and a finished run deletes the staging file).
+            # After the store's commit (a store may buffer the write: flush it first): a kill in
+            # between leaves rows that the next run drops (the document is unchanged then, and a
+            # finished run deletes the staging file).
+            self.index.flush()
             self.staging.discard(doc.key)
         entry._ready, entry._vectors, entry._staged = [], [], {}
         self.on_written(entry)

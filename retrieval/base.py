@@ -84,6 +84,13 @@ class CollectionStore(Protocol):
         """Delete a document and its chunks; an unknown key is a no-op."""
         ...
 
+    def flush(self) -> None:
+        """Commit the writes a store buffers (pgvector writes a batch of documents per transaction).
+
+        Reads, `save` and `close` commit them too; a no-op where each write commits on its own.
+        """
+        ...
+
     def save(self) -> None:
         """Make writes durable for other readers (Faiss file); a no-op where writes already are."""
         ...

@@ -99,6 +99,11 @@ class CollectionBuild(ABC):
             del self._live_acl[key]
         self.build.delete_document(key)
 
+    def flush(self) -> None:
+        self.build.flush()
+        if self._live_index is not None:
+            self._live_index.flush()
+
     def save(self) -> None:
         self.build.save()  # also when nothing was written: finish() renames the saved file
         if self._live_index is not None:

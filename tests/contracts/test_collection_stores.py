@@ -6,7 +6,9 @@ with `exact_below=0` ("...:approx"), so the graph and the inverted lists themsel
 searched rather than the exact path these small collections otherwise take. The stores an
 ingest writes to during a versioned rebuild ("...:build": the next version of a collection
 built with other settings, `retrieval.rebuild.CollectionBuild`) are collection stores too,
-and run the same suite. The reference
+and run the same suite, as does what an ingest opens for a new pgvector collection
+("pgvector:bulk": writes batched several documents per transaction, no HNSW index until the
+load ends). The reference
 answer is computed here from what was written, independently of any store: for a principal's
 tokens, the chunks of documents whose ACL names one of them, ranked by inner product.
 """
@@ -28,7 +30,7 @@ from retrieval.vectors.faiss_ann import HnswIndex, IvfIndex
 
 DIM = 16
 CATALOG_KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf", "faiss-hnsw:approx", "faiss-ivf:approx"]
-BACKENDS = [*CATALOG_KINDS, "pgvector", "faiss:build", "pgvector:build"]
+BACKENDS = [*CATALOG_KINDS, "pgvector", "pgvector:bulk", "faiss:build", "pgvector:build"]
 CHUNKING = {"max_tokens": 64, "overlap_tokens": 0}
 GROUPS = [f"group:g{i}" for i in range(6)] + ["public", "user:alice", "user:bob"]
 
@@ -37,6 +39,14 @@ def _open(kind: str, tmp_path, request):
     kind, _, mode = kind.partition(":")
     if mode == "build":
         return _open_build(kind, tmp_path, request)
+    if kind == "pgvector" and mode == "bulk":
+        # What an ingest writes to: batched writes, a new collection loaded without its HNSW index.
+        from retrieval.stores.pgvector.rebuild import open_for_ingest
+
+        store = open_for_ingest(request.getfixturevalue("pg_dsn"), "contract",
+                                BuildSpec("test-embedder", "fp-1", DIM, CHUNKING), batch_documents=7)
+        request.addfinalizer(store.close)
+        return store
     if kind == "pgvector":
         from retrieval.stores.pgvector.collection import create_collection
 

@@ -129,6 +129,9 @@ class EmbeddedCollection:
         """Nothing to switch: this is the live collection."""
         return None
 
+    def flush(self) -> None:
+        """Nothing buffered: each write is its own catalog transaction."""
+
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None:
         removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors)

@@ -1,8 +1,10 @@
 """The pgvector store: a collection's documents, chunks, ACLs and vectors in shared PostgreSQL.
 
 Open one with `create_collection(dsn, ...)` (creates or checks) or `open_collection(dsn, name)`.
-Each write is one transaction that locks its document row, so parallel ingest shards and
-several processes can write at once without losing or duplicating chunks. The ACL filter is a
+An ingest's writes are buffered and committed a batch of documents per transaction (`bulk`);
+every read, `save`, `finish` and `close` commits what is buffered first. Each batch locks its document rows,
+so parallel ingest shards and several processes can write at once without losing or
+duplicating chunks. The ACL filter is a
 condition of the index scan itself (`acl && tokens`), with pgvector's iterative scan, so a
 principal who may read few chunks still gets up to k of them.
 """
@@ -24,6 +26,15 @@ from rag.errors import ConfigError, NotFoundError, StoreError
 from rag.types import Chunk, Document
 from retrieval.keyword import query_terms
 from retrieval.records import GENERATION_SEP, ChunkRecord, CollectionInfo, DocumentState
+from retrieval.stores.pgvector.bulk import (
+    DEFAULT_BATCH_BYTES,
+    DEFAULT_BATCH_DOCUMENTS,
+    DEFAULT_INDEX_MEMORY_MB,
+    IndexLoad,
+    PendingDocument,
+    WriteBuffer,
+    write_documents,
+)
 from retrieval.stores.pgvector.schema import (  # noqa: F401 - list/drop re-exported: the collection API in one place
     connect,
     drop_collection,
@@ -40,9 +51,6 @@ log = logging.getLogger(__name__)
 
 
 _json_dumps = partial(json.dumps, sort_keys=True, default=str)
-_CHUNK_COLUMNS = ("id", "collection", "document_key", "idx", "text", "heading", "num_tokens", "metadata",
-                  "acl", "embedding")
-_CHUNK_TYPES = ["int8", "text", "text", "int4", "text", "text", "int4", "jsonb", "text[]", "vector"]
 
 
 # At or below this many readable chunks, search exactly (as retrieval.vectors.faiss_ann does).
@@ -70,7 +78,8 @@ class PgvectorCollection:
 
     def __init__(self, dsn: str, info: CollectionInfo, ef_search: int = 100,
                  max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW, follow_live: bool = True,
-                 durable_commits: bool = False) -> None:
+                 durable_commits: bool = False, batch_documents: int = 1,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, index_memory_mb: int = DEFAULT_INDEX_MEMORY_MB) -> None:
         """
         Args:
             dsn: libpq connection string or URL of a migrated database.
@@ -82,10 +91,20 @@ class PgvectorCollection:
             follow_live: follow a switch to a new generation of the collection (see refresh).
             durable_commits: wait for each write's WAL flush (synchronous_commit on); off by
                 default: ingest is idempotent and resumable, so a crash's lost tail is redone.
+            batch_documents, batch_bytes: documents are written a batch per transaction, once this
+                many are buffered or their text and vectors reach this many bytes. 1 (the default
+                here: each write is committed, visible to everyone, when it returns) is a
+                transaction per document; ingest opens its store with `bulk.DEFAULT_BATCH_DOCUMENTS`
+                (`rebuild.open_for_ingest`), and the buffered writes of a batch are committed
+                when it is full, at this store's next read, and by `flush`, `save` and `close`.
+            index_memory_mb: the most `maintenance_work_mem` an HNSW build after a bulk load asks for.
         """
         if not 1 <= ef_search <= 1000 or max_scan_tuples < 1:
             raise ConfigError(
                 f"ef_search must be 1..1000 and max_scan_tuples >= 1 (got {ef_search}, {max_scan_tuples})")
+        if batch_documents < 1 or batch_bytes < 1 or index_memory_mb < 64:
+            raise ConfigError(f"batch_documents and batch_bytes must be >= 1 and index_memory_mb >= 64 (got "
+                              f"{batch_documents}, {batch_bytes}, {index_memory_mb})")
         self.dsn = dsn
         # A collection opened as the live one follows a switch to a new generation (refresh);
         # one opened as a build (pg_rebuild) stays on its generation.
@@ -96,10 +115,13 @@ class PgvectorCollection:
         self.exact_below = exact_below
         self.num_fallbacks = 0  # approximate searches that found < k and ran exactly instead
         self._session = PgSession(dsn, lambda: self.name, ef_search, max_scan_tuples, durable_commits)
+        self._pending = WriteBuffer(batch_documents, batch_bytes)
+        self.index_memory_mb = index_memory_mb
         self._bind(info)
 
     def _bind(self, info: CollectionInfo) -> None:
         self.info = info
+        self._load = IndexLoad(info.name, info.dim, self.index_memory_mb)
         self._literal = sql.Literal(info.name)  # the partial index matches only a literal predicate
         self._sql_approx = self._search_sql(exact=False)
         self._sql_exact = self._search_sql(exact=True)
@@ -115,7 +137,11 @@ class PgvectorCollection:
         return self.info.name
 
     def close(self) -> None:
-        self._session.close()
+        """Commit buffered writes, then close the connection (also when the commit fails)."""
+        try:
+            self.flush()
+        finally:
+            self._session.close()
 
     def _connection(self) -> psycopg.Connection:
         """The session's connection (tests inspect its settings)."""
@@ -129,17 +155,22 @@ class PgvectorCollection:
 
     def finish(self) -> None:
         """Nothing to switch: this generation is what it is (a rebuild is `PgvectorBuild`)."""
+        self.save()
         return None
 
-    # -- writes: one transaction each ----------------------------------------------------
+    # -- writes: a batch of documents per transaction ------------------------------------
 
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None:
         """Write a document with its chunks and vectors, replacing any previous version atomically.
 
+        The document joins the write buffer; it is committed with its batch, when the batch is
+        full or at the next read, `flush`, `save` or `close`, whole or not at all.
+
         Raises:
-            StoreError: vectors of the wrong shape or not finite, or the database failed (the
-                document is then either fully old or fully new; retrying is safe).
+            StoreError: vectors of the wrong shape or not finite, or the database failed while
+                committing the batch (each of its documents is then either fully old or fully new;
+                retrying is safe).
         """
         vectors = self._check_vectors(doc.key, len(chunks), vectors)
         acl_list = sorted(acl)
@@ -148,35 +179,34 @@ class PgvectorCollection:
              _text(c.heading), c.num_tokens, Jsonb(c.metadata, dumps=_json_dumps), acl_list, vec)
             for c, vec in zip(chunks, vectors, strict=True)
         ]
+        row = (doc.key, _text(doc.source), _text(doc.title), doc.content_hash, acl_list,
+               Jsonb(doc.metadata, dumps=_json_dumps), len(rows))
+        nbytes = vectors.nbytes + sum(len(c.text) + len(c.heading or "") + 200 for c in chunks)
+        if self._pending.add(PendingDocument(doc.key, row, acl_list, rows, nbytes)):
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit the buffered documents in one transaction (a no-op when none are buffered).
+
+        Raises:
+            StoreError: the database failed; none of the batch was written, and it is dropped
+                from the buffer (an ingest run ends; the next one writes those documents again).
+        """
+        documents = self._pending.take()
+        if not documents:
+            return
 
         def write(conn: psycopg.Connection) -> None:
-            # The upsert takes the document's row lock first: a concurrent writer of the same
-            # key waits here until we commit, then deletes exactly the chunks we wrote.
-            (inserted,) = conn.execute(
-                "INSERT INTO rag_documents (collection, key, source, title, content_hash, acl, metadata,"
-                " num_chunks) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
-                " ON CONFLICT (collection, key) DO UPDATE SET source = EXCLUDED.source,"
-                " title = EXCLUDED.title, content_hash = EXCLUDED.content_hash, acl = EXCLUDED.acl,"
-                " metadata = EXCLUDED.metadata, num_chunks = EXCLUDED.num_chunks, updated_at = now()"
-                " RETURNING xmax = 0",  # true for a new row
-                (self.physical, doc.key, _text(doc.source), _text(doc.title), doc.content_hash, acl_list,
-                 Jsonb(doc.metadata, dumps=_json_dumps), len(rows)),
-            ).fetchone()
-            if not inserted:  # the new version may grant less: never lose it to a crash
-                self._durable(conn)
-            conn.execute("DELETE FROM rag_chunks WHERE collection = %s AND document_key = %s",
-                         (self.physical, doc.key))
-            if rows:
-                with conn.cursor() as cur, cur.copy(
-                    sql.SQL("COPY rag_chunks ({}) FROM STDIN (FORMAT BINARY)").format(
-                        sql.SQL(", ").join(map(sql.Identifier, _CHUNK_COLUMNS)))
-                ) as copy:
-                    copy.set_types(_CHUNK_TYPES)
-                    for row in rows:
-                        copy.write_row(row)
-                self._add_keyword_domain(conn, acl_list)
+            self._load.before_write(conn)
+            write_documents(conn, self.physical, documents, self._durable)
 
-        self._session.write(f"writing document {doc.key!r}", write)
+        what = f"writing document {documents[0].key!r}" if len(documents) == 1 else \
+            f"writing {len(documents)} documents ({documents[0].key!r}...)"
+        try:
+            self._session.write(what, write)
+        except StoreError:
+            self._load.forget()  # a lost connection took its load lock along
+            raise
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         """Change a document's ACL (and its chunks' copies) without touching vectors.
@@ -184,6 +214,7 @@ class PgvectorCollection:
         Raises:
             NotFoundError: no such document in this collection.
         """
+        self.flush()
         acl_list = sorted(acl)
 
         def write(conn: psycopg.Connection) -> None:
@@ -203,6 +234,8 @@ class PgvectorCollection:
 
     def delete_document(self, key: str) -> None:
         """Delete a document and (by cascade) its chunks; an unknown key is a no-op."""
+        self.flush()
+
         def write(conn: psycopg.Connection) -> None:
             self._durable(conn)
             conn.execute("DELETE FROM rag_documents WHERE collection = %s AND key = %s", (self.physical, key))
@@ -221,7 +254,24 @@ class PgvectorCollection:
             conn.execute("SET LOCAL synchronous_commit = on")
 
     def save(self) -> None:
-        """Nothing to do: every write is committed when it returns."""
+        """Commit buffered writes; after a bulk load, the last loader to save builds the HNSW index."""
+        self.flush()
+        self.end_load(wait=False)
+
+    def end_load(self, wait: bool) -> bool:
+        """Leave a bulk load of this generation (`bulk.IndexLoad`) and build its index if no one else loads.
+
+        Args:
+            wait: wait for other loaders to end theirs, then build the index if it is missing.
+
+        Returns:
+            Whether the index exists now (False: another loader builds it when it ends).
+        """
+        self.flush()
+        built: list[bool] = []
+        self._session.write(f"building the HNSW index of version {self.info.generation}",
+                            lambda conn: built.append(self._load.end(conn, wait)))
+        return built[0]
 
     def refresh(self) -> bool:
         """Follow a switch to a new generation (a rebuild by any process); True when it moved.
@@ -230,6 +280,7 @@ class PgvectorCollection:
         """
         if not self.follow_live:
             return False
+        self.flush()  # buffered rows belong to the generation they were written for
         live = self._session.read("finding the live version", lambda conn: find_live(conn, self.name))
         if live is None:
             raise NotFoundError(f"collection {self.name!r} was dropped from {mask_dsn(self.dsn)}")
@@ -242,6 +293,7 @@ class PgvectorCollection:
     # -- reads ---------------------------------------------------------------------------
 
     def document_states(self) -> dict[str, DocumentState]:
+        self.flush()
         rows = self._session.read("reading document states", lambda conn: conn.execute(
             "SELECT id, key, content_hash, acl, num_chunks FROM rag_documents WHERE collection = %s",
             (self.physical,),
@@ -250,6 +302,7 @@ class PgvectorCollection:
 
     def stats(self) -> dict[str, int]:
         """{"documents": n, "chunks": n}."""
+        self.flush()
         docs, chunks = self._session.read("counting documents", lambda conn: conn.execute(
             "SELECT count(*), coalesce(sum(num_chunks), 0) FROM rag_documents WHERE collection = %s",
             (self.physical,),
@@ -273,6 +326,7 @@ class PgvectorCollection:
                 f"query vector has {query.shape[0]} dims but collection {self.name!r} has {self.info.dim}: "
                 f"embed queries with the collection's embedder ({self.info.embedder})"
             )
+        self.flush()
         tokens = sorted(set(tokens))
         if not tokens or k <= 0:
             return []
@@ -314,6 +368,7 @@ class PgvectorCollection:
 
     def search_plan(self, query: np.ndarray, k: int, tokens: Sequence[str]) -> str:
         """EXPLAIN ANALYZE of the approximate search (which index ran, how many rows it visited)."""
+        self.flush()
         params = {"q": np.asarray(query, dtype=np.float32).reshape(-1), "tokens": sorted(set(tokens)), "k": k}
         statement = sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + self._sql_approx
         rows = self._session.read("explaining a search", lambda conn: conn.execute(statement, params).fetchall())
@@ -328,6 +383,7 @@ class PgvectorCollection:
         Candidates come from the `kw` index by `tag:word` keys of the readable ACL domains only
         (migration 3), so the work done never depends on chunks the principal may not read.
         """
+        self.flush()
         statement, params = self._keyword_sql(text, k, tokens)
         if statement is None:
             return []
@@ -336,6 +392,7 @@ class PgvectorCollection:
 
     def keyword_plan(self, text: str, k: int, tokens: Sequence[str]) -> dict | None:
         """EXPLAIN (ANALYZE, BUFFERS) of a keyword search as JSON: the work it did (rows, pages)."""
+        self.flush()
         statement, params = self._keyword_sql(text, k, tokens)
         if statement is None:
             return None
@@ -371,6 +428,7 @@ class PgvectorCollection:
 
     def chunk_records(self, ids: Sequence[int]) -> dict[int, ChunkRecord]:
         """Chunks of this collection by id, with their document's key, source, title and ACL."""
+        self.flush()
         ids = [int(i) for i in ids]
         if not ids:
             return {}
@@ -384,6 +442,7 @@ class PgvectorCollection:
 
     def dump(self) -> list[dict]:
         """Canonical id-free rows (key, hash, acl, title, index, text, heading, vector), like the catalog's."""
+        self.flush()
         rows = self._session.read("dumping the collection", lambda conn: conn.execute(
             # COLLATE "C": byte order, as SQLite sorts, whatever the database's collation.
             "SELECT d.key, d.content_hash, d.acl, d.title, c.idx, c.text, c.heading, c.embedding"

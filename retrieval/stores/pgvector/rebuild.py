@@ -2,10 +2,11 @@
 
 The contract of `retrieval.rebuild`, as `retrieval.stores.embedded.rebuild` keeps it: an ingest
 whose embedder or chunking differ writes the next generation (the hidden row `NAME@G` of `rag_collections`, with
-its own partial HNSW index of the new dimension) from scratch, one document per transaction, so
-a killed or preempted job resumes into it; queries keep reading the live generation; once the
-build holds every document of the live one, one transaction flips `live` to it and the old
-generation is deleted. Readers follow the flip on their next query (`PgvectorCollection.refresh`).
+its own partial HNSW index of the new dimension, built once the load ends: `bulk.IndexLoad`) from
+scratch, a batch of documents per transaction, so a killed or preempted job resumes into it;
+queries keep reading the live generation; once the build holds every document of the live one
+and its index, one transaction flips `live` to it and the old generation is deleted. Readers
+follow the flip on their next query (`PgvectorCollection.refresh`).
 Parallel shard jobs (`--shard I --num-shards N`) all write the same build; whichever finishes
 last finds it complete and switches.
 """
@@ -16,6 +17,7 @@ import logging
 
 from retrieval.rebuild import CollectionBuild
 from retrieval.records import BuildOutcome, BuildSpec, DocumentState, describe
+from retrieval.stores.pgvector.bulk import DEFAULT_BATCH_DOCUMENTS
 from retrieval.stores.pgvector.collection import PgvectorCollection
 from retrieval.stores.pgvector.schema import (
     admin_connection,
@@ -49,9 +51,13 @@ class PgvectorBuild(CollectionBuild):
         build = self._info
         outcome = BuildOutcome(self.name, self.live.generation, build.generation, describe(self.live),
                                describe(build))
+        self.build.flush()
         outcome.missing, outcome.missing_examples = missing_documents(self.dsn, self.live.name, build.name)
         if outcome.missing:
             return outcome
+        # Complete: wait for any other shard job still loading it, then build its HNSW index if
+        # none did, so queries never switch to a version without one.
+        self.build.end_load(wait=True)
         retired = promote(self.dsn, self.name, build.name)
         outcome.switched = True
         if retired is not None:  # None: another shard job switched first (and drops the old one)
@@ -101,13 +107,18 @@ def open_for_ingest(dsn: str, name: str, spec: BuildSpec, **tuning: int) -> Pgve
 
     The collection itself (created if new) when it was built the same way; otherwise its next
     generation, resumed if a killed run left one built the same way. Generations left over by an
-    interrupted switch, or built with settings no longer asked for, are dropped first.
+    interrupted switch, or built with settings no longer asked for, are dropped first. Its writes
+    are batched (`tuning`'s batch_documents, default `bulk.DEFAULT_BATCH_DOCUMENTS`), and a new
+    collection or generation is loaded without its HNSW index, built once the load ends.
     """
+    tuning = {"batch_documents": DEFAULT_BATCH_DOCUMENTS, **tuning}
     migrate(dsn)
     with admin_connection(dsn, f"opening collection {name!r}") as conn:
         live = find_live(conn, name)
     if live is None:
-        info = ensure_collection(dsn, name, spec.embedder, spec.fingerprint, spec.dim, spec.chunking)
+        # New and empty: loaded in bulk, its HNSW index built when the load ends (bulk.IndexLoad).
+        info = ensure_collection(dsn, name, spec.embedder, spec.fingerprint, spec.dim, spec.chunking,
+                                 build_index=False)
         return PgvectorCollection(dsn, info, **tuning)
     hidden = hidden_generations(dsn, name)
     resume = None if spec.matches(live) else next(
@@ -122,6 +133,6 @@ def open_for_ingest(dsn: str, name: str, spec: BuildSpec, **tuning: int) -> Pgve
     if spec.matches(live):
         return live_store
     build = resume or ensure_collection(dsn, name, spec.embedder, spec.fingerprint, spec.dim, spec.chunking,
-                                        generation=live.generation + 1)
+                                        generation=live.generation + 1, build_index=False)
     return PgvectorBuild(dsn, name, live_store, build, tuning)
 
