@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from rag.audit import one_line_json
-from rag.errors import StoreError
+from rag.errors import StoreError, StoreUnavailable
 from rag.pg_identity_schema import migrate_identity
 from retrieval.stores.pgvector.schema import connect, mask_dsn
 
@@ -59,8 +59,11 @@ class PgAuditLog:
                                  (at, user, line))
                     return
                 except psycopg.Error as e:
-                    if (conn.closed or conn.broken) and attempt == 0:
-                        continue
+                    if conn.closed or conn.broken:
+                        if attempt == 0:
+                            continue  # dropped while idle: once more on a new connection
+                        raise StoreUnavailable(f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} "
+                                               f"while writing the audit log ({e})") from e
                     raise StoreError(f"writing the audit log in {mask_dsn(self.dsn)} failed: {e}") from e
 
     def read(self, user: str | None = None, since: datetime | None = None,

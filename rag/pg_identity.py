@@ -25,7 +25,7 @@ import psycopg
 
 from permissions.identity import KeyDirectory, KeyInfo, KeyRecord, KeyRow
 from permissions.models import Principal
-from rag.errors import StoreError
+from rag.errors import StoreError, StoreUnavailable
 from rag.pg_identity_schema import migrate_identity
 from retrieval.stores.pgvector.schema import connect, mask_dsn
 
@@ -113,9 +113,12 @@ class PgIdentityStore(KeyDirectory):
             try:
                 return fn(conn)
             except psycopg.Error as e:
-                if (conn.closed or conn.broken) and attempt == 0:
+                if conn.closed or conn.broken:
                     self._local.conn = None
-                    continue
+                    if attempt == 0:
+                        continue  # dropped while idle (a server restart): once more on a new connection
+                    raise StoreUnavailable(f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} while "
+                                           f"{what} ({e}): check the server") from e
                 raise StoreError(f"{what} in {mask_dsn(self.dsn)} failed: {e}") from e
         raise AssertionError("unreachable")
 

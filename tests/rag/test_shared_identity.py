@@ -300,3 +300,24 @@ def test_users_migrate_moves_a_data_directorys_users_and_keys(pg_dsn, tmp_path, 
     assert "copied 0 of 3 users and 0 of 5 keys" in _cli(
         ["--home", str(home), "users", "migrate", "--dsn", pg_dsn], monkeypatch)
     shared.close()
+
+
+def test_a_database_away_is_unavailable_and_the_next_request_after_it_reconnects(own_pg_server):
+    from rag.errors import StoreUnavailable
+    from tests.pg_fixture import server_stopped
+
+    store, audit = PgIdentityStore(own_pg_server.dsn), PgAuditLog(own_pg_server.dsn)
+    key = store.create_key("alice", ["genomics"])
+    assert store.authenticate(key).user == "alice"
+    audit.write({"time": datetime.now(UTC).isoformat(), "user": "alice", "status": 200})
+    # "fast": the throwaway server commits asynchronously, so a crash (immediate) could lose the tables themselves
+    with server_stopped(own_pg_server, "fast"):  # the idle connections are cut
+        with pytest.raises(StoreUnavailable):  # 503 from the service, not a refusal of the key
+            store.authenticate(key)
+        with pytest.raises(StoreUnavailable):
+            audit.write({"time": datetime.now(UTC).isoformat(), "user": "alice", "status": 503})
+    assert store.authenticate(key).user == "alice"  # no restart of the process needed
+    audit.write({"time": datetime.now(UTC).isoformat(), "user": "alice", "status": 200})
+    assert [e["status"] for e in audit.read()] == [200, 200]
+    store.close()
+    audit.close()
