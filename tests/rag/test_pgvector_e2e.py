@@ -72,7 +72,7 @@ def test_acl_change_applies_without_reembedding(pg_lab, tmp_path):
 @pytest.mark.slow
 def test_cli_over_pgvector(pg_lab, lab_copy, tmp_path):
     pg, dsn, _ = pg_lab
-    env_home = pg.settings.home  # users live in the data directory; chunks in PostgreSQL
+    env_home = pg.settings.home  # chunks, users and keys all live in PostgreSQL (store = pgvector)
     cmd = [sys.executable, "-c", "from rag.cli import main; main()"]
     out = subprocess.run(
         [*cmd, "--home", str(env_home), "query", "Which GPU nodes can I use?", "--as", "dave",
