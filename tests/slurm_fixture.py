@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -61,9 +61,15 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc={root}/log/jobcomp.txt
+# A job in a partition of a higher PriorityTier preempts running jobs of a lower one, which go
+# back to the queue and run again (a site's "high" or "interactive" partition over a batch one).
+# A requeued job waits about cred_expire (AuthInfo above, default 120 s) before it runs again.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
 # OverSubscribe=YES: jobs that ask with --oversubscribe may share CPUs (many one-line tasks at once).
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PriorityTier=1
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10
 """
 
 
@@ -98,7 +104,8 @@ def ensure_slurm_installed() -> None:
 
 
 class LocalSlurm:
-    """One node ("localhost") and one partition ("debug") with the machine's CPUs and memory."""
+    """One node ("localhost") with the machine's CPUs and memory, and two partitions over it: "debug"
+    (the default) and "high", whose jobs preempt (requeue) debug's."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -107,6 +114,7 @@ class LocalSlurm:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
         self.env["SLURM_CONF"] = str(self.conf)
         self.env["PATH"] = search_path()
+        self.cpus = 0  # the node's, once started
 
     def log(self, name: str) -> Path:
         """A daemon's log file: munged.log, slurmctld.log or slurmd.log."""
@@ -126,6 +134,7 @@ class LocalSlurm:
                    f"--pid-file={root}/run/munged.pid", f"--log-file={self.log('munged.log')}",
                    f"--seed-file={root}/munge/munged.seed"])
         cpus, memory = node_resources()
+        self.cpus = cpus
         ctld_port, d_port = free_ports(2)
         self.conf.write_text(SLURM_CONF.format(root=root, user=getpass.getuser(), ctld_port=ctld_port,
                                                d_port=d_port, cpus=cpus, memory=memory))
@@ -201,6 +210,31 @@ class LocalSlurm:
                 subprocess.run(["scancel", *job_ids], env=self.env, capture_output=True)
                 raise TimeoutError(f"Slurm jobs still not done after {timeout:.0f} s: {states}")
             time.sleep(0.5)
+
+    def wait_until(self, condition: Callable[[], object], timeout: float, what: str,
+                   report: Callable[[], str] = lambda: "") -> None:
+        """Poll `condition` (every 0.2 s) until it is true.
+
+        Raises:
+            TimeoutError: still false after `timeout` seconds; the message says `what` was awaited
+                and ends with `report()` (logs, states).
+        """
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not after {timeout:.0f} s\n{report()}")
+            time.sleep(0.2)
+
+    def requeue(self, job_id: str) -> None:
+        """`scontrol requeue JOB` (an array task as "12_3"): kill it and put it back in the queue."""
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, env=self.env,
+                              timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip()}")
+
+    def restarts(self, job_id: str) -> int:
+        """How many times a job (or array task) was requeued: scontrol's Restarts."""
+        return int(self.show_job(job_id).get("Restarts", "0"))
 
     def show_job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job -o` of one job or array task, as a dict (JobState, ExitCode, StdOut, ...)."""

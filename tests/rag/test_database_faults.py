@@ -23,6 +23,7 @@ import pytest
 
 from rag.errors import StoreUnavailable
 from rag.local_postgres.server import LocalPostgres
+from retrieval.stores.pgvector import rebuild as pg_rebuild
 from retrieval.stores.pgvector.schema import mask_dsn
 from retrieval.stores.pgvector.session import server_address
 from tests.pg_fixture import own_pg_server, server_stopped, start_server, stop_server, with_dbname  # noqa: F401
@@ -33,6 +34,7 @@ from tests.rag.test_shards import assert_same_collection, corpus  # noqa: F401 -
 pytestmark = pytest.mark.slow  # real servers, real models, an ingest each
 
 QUESTION = "Which GPU nodes can I use?"
+BATCH = 3  # documents per write transaction in the ingest test
 
 
 def _password(dsn: str) -> str:
@@ -76,8 +78,8 @@ def _cli_env(home: Path, dsn: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def test_ingest_stopped_mid_document_writes_nothing_half_and_a_rerun_equals_a_clean_run(
-        own_pg_server: LocalPostgres, rag_factory, corpus, tmp_path):  # noqa: F811
+def test_ingest_stopped_mid_batch_writes_nothing_half_and_a_rerun_equals_a_clean_run(
+        own_pg_server: LocalPostgres, rag_factory, corpus, tmp_path, monkeypatch):  # noqa: F811
     server = own_pg_server
     dsn = server.dsn
     password = _password(dsn)
@@ -93,32 +95,37 @@ def test_ingest_stopped_mid_document_writes_nothing_half_and_a_rerun_equals_a_cl
 
     home = tmp_path / "home"
     rag = rag_factory(home, rerank=False, store="pgvector", dsn=dsn)
+    # Ingest commits a batch of documents per transaction (retrieval/stores/pgvector/bulk.py): 3 per
+    # batch here, so that the corpus takes several and the server can go away between two of them.
+    monkeypatch.setattr(pg_rebuild, "DEFAULT_BATCH_DOCUMENTS", BATCH)
     store = rag.collection("lab", create=True)  # the collection the ingest writes to (kept open)
     session = store._session
     real_write = session.write
-    written: list[str] = []  # the documents whose transaction began
+    batches: list[set[str]] = []  # the documents each batch transaction held before its COMMIT
     port: list[int] = []
 
     def write(what, fn):
         def fn_then_stop(conn):
-            fn(conn)  # every row of the document is in, not yet committed...
-            if len(written) == 4:
+            fn(conn)  # every row of the batch is in, not yet committed...
+            keys = {k for (k,) in conn.execute("SELECT key FROM rag_documents WHERE collection = 'lab'")}
+            batches.append(keys - set().union(*batches))
+            if len(batches) == 2:
                 port.append(stop_server(server, "fast"))  # ... and the server goes away before COMMIT
-        if what.startswith("writing document"):
-            written.append(what.removeprefix("writing document ").strip("'"))
-        return real_write(what, fn_then_stop)
+
+        return real_write(what, fn_then_stop if what.startswith("writing ") else fn)
 
     session.write = write
     with pytest.raises(StoreUnavailable) as err:
         rag.ingest([corpus], collection="lab")
     session.write = real_write
-    assert port, "the ingest ended before its fourth document: the corpus is too small for this test"
+    assert port, "the ingest ended before its second batch: the corpus is too small for this test"
+    committed, interrupted = batches
+    assert len(committed) == len(interrupted) == BATCH
     message = str(err.value)
-    interrupted = written[3]
     # Names the server (host and port), not its password; says nothing was half-written and what to do.
     assert f"127.0.0.1:{port[0]}" in message and mask_dsn(dsn) in message and password not in message, message
     assert "nothing was half-written" in message and "run the same command again" in message, message
-    assert interrupted in message
+    assert "while writing 3 documents" in message, message
 
     # The CLI, while the server is still down: a clear error, exit 2, no password anywhere.
     done = subprocess.run([sys.executable, "-m", "rag.cli", "ingest", str(corpus), "--collection", "lab"],
@@ -131,19 +138,22 @@ def test_ingest_stopped_mid_document_writes_nothing_half_and_a_rerun_equals_a_cl
     assert _half_written(dsn) == []
     after = _rows(dsn)
     stored = {key for _, key, *_ in after["documents"]}
-    assert len(stored) == 3 and interrupted not in stored, stored  # the three committed ones, whole
-    assert not any(row[2] == interrupted for row in after["chunks"])
+    assert stored == committed, (stored, committed)  # the first batch, whole; nothing of the second
+    assert not any(row[2] in interrupted for row in after["chunks"])
     assert after["documents"] < clean_rows["documents"] and after["chunks"] < clean_rows["chunks"]
 
     # The same Rag (its session dropped the dead connection) and the same command: resumes, completes.
     report = rag.ingest([corpus], collection="lab")
-    assert report.ok and report.unchanged == 3 and report.added == len(clean_rows["documents"]) - 3, report
+    assert report.ok and report.unchanged == BATCH and report.added == len(clean_rows["documents"]) - BATCH, report
     assert _half_written(dsn) == []
     assert _rows(dsn) == clean_rows
     assert_same_collection(rag_factory(home, rerank=False, store="pgvector", dsn=dsn, collection="lab"),
                            rag_factory(tmp_path / "clean-home", rerank=False, store="pgvector", dsn=clean_dsn,
                                        collection="lab"), queries=False)
     assert "***" in mask_dsn(dsn) and server_address(dsn) == f"127.0.0.1:{port[0]}/postgres"
+    with psycopg.connect(dsn, autocommit=True) as conn:  # the bulk load ended: its HNSW index was built
+        assert conn.execute("SELECT count(*) FROM pg_indexes WHERE tablename = 'rag_chunks'"
+                            " AND indexdef LIKE '%hnsw%'").fetchone()[0] == 1
 
 
 @pytest.fixture

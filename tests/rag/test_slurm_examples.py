@@ -8,6 +8,7 @@ scripts are submitted through submit.sh and must leave the collection one job wo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -186,3 +187,139 @@ def test_a_list_array_fails_every_task_with_a_clear_log_and_no_merge(slurm: Loca
         log = (workdir / "logs" / f"rag-ingest-{array_job}_{task}.out").read_text()
         assert "not a range" in log and "--array=1,3,7" in log, log
     assert not (home / "shards").exists()
+
+
+# Installed as sitecustomize.py (through PYTHONPATH) in the jobs of the requeue and preemption
+# tests, so that "mid-ingest" is a fact rather than a guess about timing: the first run of each
+# chosen array task, right after it has stored its first document, says so in its log, touches
+# paused-<task> and waits for `release` in the same folder (or for Slurm to kill it). A rerun
+# (SLURM_RESTART_COUNT > 0) runs through.
+PAUSE_HOOK = '''\
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _install() -> None:
+    folder, task = os.environ.get("RAG_TEST_PAUSE_DIR"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if not folder or task not in os.environ.get("RAG_TEST_PAUSE_TASKS", "").split(","):
+        return
+    if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        return
+    import ingest.pipeline as pipeline
+    from retrieval.stores.pgvector import rebuild
+
+    # pgvector commits a batch of documents per transaction: one per batch here, so that the first
+    # document is stored when the task pauses, as a batch of a big corpus is when a task is killed.
+    rebuild.DEFAULT_BATCH_DOCUMENTS = 1
+    real = pipeline._count_written
+
+    def count_written(entry, report):
+        real(entry, report)
+        if report.added + report.updated == 1:
+            print(f"test hook: task {task} paused after 1 document ({entry.doc.key})", file=sys.stderr, flush=True)
+            Path(folder, f"paused-{task}").touch()
+            deadline = time.monotonic() + 600
+            while not Path(folder, "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+    pipeline._count_written = count_written
+
+
+_install()
+'''
+
+
+def _pause_env(tmp_path: Path, tasks: list[int]) -> tuple[dict[str, str], Path]:
+    """The environment that installs PAUSE_HOOK for `tasks`, and the folder of its files."""
+    hook = tmp_path / "pause-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_HOOK)
+    folder = tmp_path / "pause"
+    folder.mkdir()
+    return {"PYTHONPATH": str(hook), "RAG_TEST_PAUSE_DIR": str(folder),
+            "RAG_TEST_PAUSE_TASKS": ",".join(map(str, tasks)), "DO_NOT_TRACK": "1"}, folder
+
+
+def _summary(log: str) -> dict:
+    """The last `rag ingest --json` summary in a task's log (a requeued task's log holds every run)."""
+    start = log.rindex("\n{") + 1 if "\n{" in log else log.index("{")
+    return json.JSONDecoder().raw_decode(log[start:])[0]
+
+
+@pytest.mark.slow  # a 2-task array, one task requeued mid-ingest and run again, then the merge
+def test_a_requeued_task_resumes_and_the_merge_equals_one_job(slurm: LocalSlurm, tmp_path, rag_factory,  # noqa: F811
+                                                               corpus, single):  # noqa: F811
+    workdir = tmp_path / "submit"
+    shutil.copytree(EXAMPLES, workdir / "scripts")
+    home = tmp_path / "home"
+    rag_factory(home).close()
+    pause_env, paused = _pause_env(tmp_path, [0])
+    array_job, merge_job = _run_submit(slurm, workdir, {**_submit_env(home, corpus), **pause_env}, "0-1")
+    task = f"{array_job}_0"
+
+    def report() -> str:
+        return f"{slurm.states([array_job, merge_job])}\n{_log_report(slurm, [workdir])}"
+
+    slurm.wait_until(lambda: (paused / "paused-0").exists(), 180, f"{task} committing its first document", report)
+    slurm.requeue(task)  # killed with one document committed and the rest of its shard to do
+    states = slurm.wait([array_job, merge_job], timeout=240)
+    assert set(states.values()) == {"COMPLETED"}, report()
+    assert slurm.restarts(task) == 1 and slurm.restarts(f"{array_job}_1") == 0
+
+    # Both runs in one log (--open-mode=append): the first stopped after a document, the rerun
+    # found it stored and did only the rest.
+    log = (workdir / "logs" / f"rag-ingest-{array_job}_0.out").read_text()
+    assert "test hook: task 0 paused after 1 document" in log, log
+    rerun = _summary(log)
+    assert rerun["shard"] == 0 and rerun["unchanged"] == 1 and rerun["added"] >= 1, rerun
+    assert '"shards_removed": true' in (workdir / "logs" / f"rag-merge-{merge_job}.out").read_text()
+    assert_same_collection(rag_factory(home, rerank=False, collection="lab"), single)
+
+
+@pytest.mark.slow  # a 2-task pgvector array; a job in the `high` partition preempts one task mid-ingest
+def test_a_preempted_task_resumes_and_the_collection_equals_one_job(slurm: LocalSlurm, tmp_path,  # noqa: F811
+                                                                     rag_factory, corpus, single,  # noqa: F811
+                                                                     pg_dsn):
+    workdir = tmp_path / "submit"
+    shutil.copytree(EXAMPLES, workdir / "scripts")
+    home = tmp_path / "home"
+    rag_factory(home).close()
+    dsn_file = tmp_path / "dsn"
+    dsn_file.write_text(pg_dsn + "\n")
+    dsn_file.chmod(0o600)
+    pause_env, paused = _pause_env(tmp_path, [0])
+    env = {**slurm.env, **_submit_env(home, corpus), **pause_env, "DSN_FILE": str(dsn_file)}
+    # %1: one task at a time, so the one that runs is the one a job needing every CPU preempts.
+    done = subprocess.run([str(workdir / "scripts" / "submit.sh"), "pgvector", "--array=0-1%1", *SMALL_TASK],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    job = re.search(r"pgvector ingest array (\d+) queued", done.stdout).group(1)
+    task = f"{job}_0"
+    jobs = [job]
+
+    def report() -> str:
+        return f"{slurm.states(jobs)}\n{_log_report(slurm, [workdir])}"
+
+    slurm.wait_until(lambda: (paused / "paused-0").exists(), 180, f"{task} committing its first document", report)
+    assert slurm.states([task])[task] == "RUNNING", report()
+    jobs.append(slurm.sbatch(["--partition=high", f"--cpus-per-task={slurm.cpus}", "--mem=100M",
+                              "-o", str(tmp_path / "high.out"), "--wrap", "sleep 1"], cwd=tmp_path))
+    slurm.wait_until(lambda: slurm.restarts(task), 60, f"{task} preempted by the high job", report)
+    (paused / "release").touch()  # (only a task that was not preempted would still wait)
+    states = slurm.wait(jobs, timeout=240)
+    assert set(states.values()) == {"COMPLETED"}, report()
+    assert slurm.restarts(task) == 1 and slurm.restarts(f"{job}_1") == 0
+
+    # The preempted task's log holds both runs; its rerun found its first document stored.
+    log = (workdir / "logs" / f"rag-ingest-pg-{task}.out").read_text()
+    assert "test hook: task 0 paused after 1 document" in log, log
+    rerun = _summary(log)
+    assert rerun["shard"] == 0 and rerun["unchanged"] == 1 and rerun["added"] >= 1, rerun
+    other = _summary((workdir / "logs" / f"rag-ingest-pg-{job}_1.out").read_text())
+    assert other["shard"] == 1 and other["unchanged"] == 0, other
+    shared = rag_factory(home, rerank=False, collection="lab", store="pgvector", dsn=pg_dsn)
+    assert_same_collection(shared, single, queries=False)
+    shared.close()
