@@ -79,7 +79,7 @@ class PgSession:
             except psycopg.OperationalError as e:  # the server went away between connect and SET
                 conn.close()
                 raise StoreUnavailable(
-                    f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} while opening it ({e}): "
+                    f"lost the connection to PostgreSQL at {mask_dsn(self.dsn)} while opening it ({_first_line(e)}): "
                     f"{WHAT_TO_DO}") from e
             except psycopg.Error as e:
                 conn.close()
