@@ -312,6 +312,7 @@ def test_pgvector_embedder_change_resumes_switches_dimension_and_drops_leftovers
             doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
             store.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, f"{key} text", 2)],
                                    np.eye(1, spec.dim, dtype=np.float32))
+        store.flush()  # an ingest's store batches its writes: commit them, as the end of a run does
 
     live = pg_rebuild.open_for_ingest(pg_dsn, "c", old)
     assert isinstance(live, PgvectorCollection)
@@ -357,11 +358,14 @@ def test_pgvector_a_switch_by_one_shard_job_is_seen_by_the_others(pg_dsn):
     for key in ("k1", "k2"):
         doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
         live.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, "x", 1)], np.eye(1, 4, dtype=np.float32))
+    live.flush()  # an ingest's store batches its writes: commit them, as the end of a run does
     jobs = [pg_rebuild.open_for_ingest(pg_dsn, "s", new) for _ in range(2)]
     assert [j.info.name for j in jobs] == ["s@2", "s@2"]
     for job, key in zip(jobs, ("k1", "k2"), strict=True):
         doc = Document(key=key, source=key, text="t", content_hash=f"h-{key}", acl=None)
         job.replace_document(doc, frozenset({"public"}), [Chunk(key, 0, "y", 1)], np.eye(1, 4, dtype=np.float32))
+    for job in jobs:
+        job.save()  # the end of each job's run (ingest saves before it finishes)
     first, second = jobs[1].finish(), jobs[0].finish()
     assert first.switched and first.old_documents_deleted == 2
     assert second.switched and second.old_documents_deleted == 0

@@ -86,12 +86,14 @@ class WriteBuffer:
 
 
 def write_documents(conn: psycopg.Connection, collection: str, documents: list[PendingDocument],
-                    durable: Callable[[psycopg.Connection], None]) -> None:
+                    durable: Callable[[psycopg.Connection], None],
+                    add_domain: Callable[[psycopg.Connection, list[str]], None]) -> None:
     """Write `documents` of `collection` (physical name) in the caller's transaction, replacing older versions.
 
     Args:
         durable: called when a document is replaced (its new version may grant less), so the
             commit waits for its WAL flush.
+        add_domain: records an ACL's keyword domain (once per distinct ACL of the batch).
     """
     if len(documents) == 1:
         updated = _upsert_one(conn, collection, documents[0])
@@ -108,10 +110,7 @@ def write_documents(conn: psycopg.Connection, collection: str, documents: list[P
                 for row in document.chunks:
                     copy.write_row(row)
     for acl in sorted({tuple(d.acl) for d in documents if d.chunks}):
-        # Record that chunks with this ACL exist, so keyword searches look up its `tag:word` keys.
-        conn.execute("INSERT INTO rag_keyword_domains (collection, acl, tag)"
-                     " VALUES (%(name)s, %(acl)s, rag_keyword_domain(%(name)s, %(acl)s)) ON CONFLICT DO NOTHING",
-                     {"name": collection, "acl": list(acl)})
+        add_domain(conn, list(acl))
 
 
 def _upsert_one(conn: psycopg.Connection, collection: str, document: PendingDocument) -> list[str]:

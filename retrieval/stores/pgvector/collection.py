@@ -28,7 +28,6 @@ from retrieval.keyword import query_terms
 from retrieval.records import GENERATION_SEP, ChunkRecord, CollectionInfo, DocumentState
 from retrieval.stores.pgvector.bulk import (
     DEFAULT_BATCH_BYTES,
-    DEFAULT_BATCH_DOCUMENTS,
     DEFAULT_INDEX_MEMORY_MB,
     IndexLoad,
     PendingDocument,
@@ -198,7 +197,7 @@ class PgvectorCollection:
 
         def write(conn: psycopg.Connection) -> None:
             self._load.before_write(conn)
-            write_documents(conn, self.physical, documents, self._durable)
+            write_documents(conn, self.physical, documents, self._durable, self._add_keyword_domain)
 
         what = f"writing document {documents[0].key!r}" if len(documents) == 1 else \
             f"writing {len(documents)} documents ({documents[0].key!r}...)"
