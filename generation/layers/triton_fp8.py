@@ -24,8 +24,9 @@ from generation.layers.triton_skinny_gemm import MIN_GAIN, SkinnyConfig, _time
 
 logger = logging.getLogger(__name__)
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
+# tl.constexpr: the only globals a Triton kernel may read.
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1e-12)
 MAX_ROWS = 16
 
 # fp8 tl.dot wants K tiles of at least 32; wide K tiles halve the loop trips (1 byte per weight).

@@ -62,14 +62,20 @@ def assert_close_rel(out: torch.Tensor, expected: torch.Tensor, tol: float = TOL
     assert err <= tol * max(scale, 1e-6), f"max error {err:.3g} vs output magnitude {scale:.3g}"
 
 
-def assert_within_one_e4m3_step(cache: torch.Tensor, expected: torch.Tensor, scale: float) -> None:
+def assert_within_one_e4m3_step(
+    cache: torch.Tensor, expected: torch.Tensor, scale: float, slack: float = 0.0, same: float = 0.99
+) -> None:
     """Two FP8 caches whose values differ by at most one e4m3 step (a division rounded differently
-    before the cast can move a value that sat on a rounding boundary), and mostly not at all."""
+    before the cast can move a value that sat on a rounding boundary), and mostly not at all.
+
+    `slack` (absolute, dequantized units) allows for inputs that already differ before quantizing:
+    bf16 rotations rounded in another order differ by a bf16 step of the terms, which a value near
+    zero after cancellation cannot absorb in its own e4m3 step."""
     assert cache.dtype == FP8_KV_DTYPE and expected.dtype == FP8_KV_DTYPE
     a, b = dequantize_fp8(cache, scale), dequantize_fp8(expected, scale)
     step = torch.maximum(b.abs() * 2.0**-3, torch.full_like(b, 2.0**-9 * scale))
-    assert bool(((a - b).abs() <= step * 1.001).all())
-    assert (_bytes(cache) == _bytes(expected)).float().mean() > 0.99
+    assert bool(((a - b).abs() <= step * 1.001 + slack).all())
+    assert (_bytes(cache) == _bytes(expected)).float().mean() > same
 
 
 def _fp8_case(lens: list[int], heads: tuple[int, int, int], block_size: int, seed: int):
@@ -145,7 +151,9 @@ def test_rotary_store_quantizes_the_rotated_k_and_v(dtype, heads, kv_heads, head
     q_ref, k_ref = apply_rotary(q, k, *rotary(positions, dtype))
     ref.store_kvcache_torch(k_ref, v, kc_ref, vc_ref, slots, k_scale, v_scale)
     assert_close_rel(q_rot, q_ref, tol=1e-2)
-    assert_within_one_e4m3_step(k_cache, kc_ref, K_SCALE)
+    # In bf16 the fused kernel and torch round the rotation's terms in a different order.
+    slack, same = (2.0**-7 * float(k.float().abs().amax()), 0.95) if dtype == torch.bfloat16 else (0.0, 0.99)
+    assert_within_one_e4m3_step(k_cache, kc_ref, K_SCALE, slack=slack, same=same)
     assert_within_one_e4m3_step(v_cache, vc_ref, V_SCALE)
 
 
