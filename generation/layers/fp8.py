@@ -10,7 +10,8 @@ quantised the same way when it arrives, s_x[m] = max|x[m]| / 448. The product is
 which `fp8_linear_reference` computes in fp32 (the CPU path, and the reference the GPU kernels
 are tested against) and, on GPUs with FP8 tensor cores (Ada, Hopper), `generation.layers.triton_fp8`:
 a Triton per-token quantization and `torch._scaled_mm`, or at decode's few rows a Triton matmul
-that quantizes the rows in the same launch, whichever measured faster for the weight's shape.
+that streams the e4m3 weights against unquantized activations (`fp8_weight_only_reference` is its
+product), whichever measured faster for the weight's shape.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def fp8_linear_reference(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*lead, weight.shape[0])
+
+
+def fp8_weight_only_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] @ dequant(weight).T in fp32 with x as it is: what the GPU's few-row kernel computes."""
+    y = x.float().reshape(-1, x.shape[-1]) @ dequantize_rows(weight, weight_scale).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

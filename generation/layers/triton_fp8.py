@@ -4,11 +4,13 @@ Both follow `generation.layers.fp8`'s scheme (per-output-channel weight scales, 
 activation scales) and its rounding: scale = amax / 448 in fp32, q = round_to_nearest(x / scale)
 with an IEEE division, so a row quantizes to the same bytes as `fp8.quantize_rows` computes.
 
-At decode's few rows a matmul is a pass over the weights: `fp8_skinny_gemm` quantizes the rows of
-x inside the same launch (each program reads the whole of x, a few KB from L2, to find its rows'
-scales) and streams e4m3 weights through an fp8 `tl.dot`. Which kernel serves a weight shape,
-this or quantize + `torch._scaled_mm`, is measured once per shape (`choose`), as the bf16 skinny
-matmul is.
+At decode's few rows a matmul is a pass over the weights, bound by their bytes, not by the matrix
+units: `fp8_skinny_gemm` streams the e4m3 weights (half of bf16's bytes), widens them to the
+activations' dtype in registers and leaves the activations unquantized (weight-only FP8, closer to
+the bf16 product than the per-token path). A first version quantized the rows inside the launch
+and used an fp8 `tl.dot`: 200-580 GB/s on an H100, 4-5x slower than quantize + `_scaled_mm`.
+Which kernel serves a weight shape, this or quantize + `torch._scaled_mm`, is measured once per
+shape (`choose`), as the bf16 skinny matmul is.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)
 MAX_ROWS = 16
 
-# fp8 tl.dot wants K tiles of at least 32; wide K tiles halve the loop trips (1 byte per weight).
+# The bf16 skinny matmul's winners (32 x 128, 6 stages) and the same bytes in flight with 1-byte weights.
 CANDIDATES = (
-    SkinnyConfig(16, 512, 4),
+    SkinnyConfig(32, 128, 6),
     SkinnyConfig(32, 256, 4),
-    SkinnyConfig(32, 512, 3),
-    SkinnyConfig(64, 256, 4),
+    SkinnyConfig(16, 256, 4),
+    SkinnyConfig(64, 128, 4),
 )
 
 # (N, K) -> the config that beat quantize + _scaled_mm at 1 and MAX_ROWS rows, or None.
@@ -55,7 +57,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK: tl.
         ok = start + cols < K
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)  # IEEE, as torch divides
     tl.store(s_ptr + row, scale)
     for start in range(0, K, BLOCK):
         ok = start + cols < K
@@ -99,21 +101,15 @@ def _fp8_skinny_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # The bf16 skinny matmul with e4m3 weights: each weight tile is widened to x's dtype in
+    # registers (exact: every e4m3 value is a bf16 value) and the channel scales applied to the
+    # fp32 sums. Half the bytes of bf16 weights per step, and x is not quantized at all.
     BLOCK_M: tl.constexpr = 16
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    # Pass 1: each row's amax over the whole of K (x is a few KB, read from L2 by every program).
-    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - k * BLOCK_K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k * BLOCK_K + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        amax = tl.maximum(amax, tl.abs(x))
-    sx = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)  # [BLOCK_M]
-    # Pass 2: quantize x tile by tile and multiply with the e4m3 weights, fp32 accumulation.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -125,12 +121,10 @@ def _fp8_skinny_kernel(
             k_ok = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        qx = tl.clamp(tl.math.div_rn(x.to(tl.float32), sx[:, None]), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-        acc = tl.dot(qx, w, acc)
+        acc = tl.dot(x, w.to(tl.float32).to(x_ptr.dtype.element_ty), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
-    acc = acc * sx[:, None] * sw[None, :]
+    acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -141,7 +135,7 @@ def fp8_skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
     config: SkinnyConfig,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] (M <= MAX_ROWS, bf16/fp16) @ dequant(weight).T, x quantized per row inside the kernel."""
+    """x [M, K] (M <= MAX_ROWS, bf16/fp16) @ dequant(weight).T with x as it is (weight-only FP8, fp32 sums)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
