@@ -95,10 +95,15 @@ def test_choose_measures_every_shape_and_the_chosen_kernel_is_correct(kernels):
     picked = kernels.choices()
     assert set(picked) >= {(6144, 4096), (4096, 4096)}
     x, qw, sw = _case(3, 6144, 4096, seed=11)
-    _assert_close_to_reference(kernels.fp8_linear(x, qw, sw, None), x, qw, sw)
+    out = kernels.fp8_linear(x, qw, sw, None)
+    if picked[(6144, 4096)] is None:  # quantize + _scaled_mm: the per-token reference
+        _assert_close_to_reference(out, x, qw, sw)
+    else:  # the few-row kernel: weight-only FP8, x as it is
+        ref = fp8_weight_only_reference(x.cpu().float(), qw.cpu(), sw.cpu(), None)
+        torch.testing.assert_close(out.float().cpu(), ref.to(torch.bfloat16).float(), atol=1e-3, rtol=1 / 128)
 
 
-def test_fp8_model_on_the_gpu_gives_the_cpu_reference_logits(tiny_model_factory):
+def test_fp8_model_on_the_gpu_gives_the_cpu_reference_logits(tiny_model_factory, monkeypatch):
     from generation.loader import load_model
 
     path, _ = tiny_model_factory("default")
@@ -124,5 +129,14 @@ def test_fp8_model_on_the_gpu_gives_the_cpu_reference_logits(tiny_model_factory)
             triton_fp8._choices.update(saved)
     cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
     assert cos > 0.995, f"GPU FP8 logits drifted from the CPU reference: cosine {cos:.4f}"
-    cos1 = torch.nn.functional.cosine_similarity(a1.flatten(), b[:, :1].flatten(), dim=0)
-    assert cos1 > 0.995, f"one-row GPU FP8 logits drifted: cosine {cos1:.4f}"
+    # The few-row kernel leaves activations unquantized: its reference is the weight-only product
+    # (against the per-token reference it differs by the activations' e4m3 error: cosine 0.9949 on
+    # an H100, 2026-12-06).
+    def weight_only(self, x, out=None):
+        return fp8_weight_only_reference(x, self.weight, self.weight_scale, self.bias)
+
+    monkeypatch.setattr(Fp8Linear, "forward", weight_only)
+    with torch.no_grad():
+        b1 = cpu.compute_logits(cpu(ids[:, :1])).float()
+    cos1 = torch.nn.functional.cosine_similarity(a1.flatten(), b1.flatten(), dim=0)
+    assert cos1 > 0.999, f"one-row GPU FP8 logits drifted from the weight-only reference: cosine {cos1:.4f}"
