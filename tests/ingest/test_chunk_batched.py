@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import astuple
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ingest.chunk import Chunker, ChunkingConfig
 from ingest.parse import parse_item
+from ingest.pipeline import IngestPipeline
 from ingest.sources import SourceItem, walk_sources
 from rag.types import Chunk, Document, Element
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
 
 LAB_DOCS = Path(__file__).resolve().parents[2] / "examples" / "lab-docs"
 CONFIGS = [ChunkingConfig(), ChunkingConfig(max_tokens=48, overlap_tokens=8, title_context=True),
@@ -122,3 +127,46 @@ def test_a_tokenizer_that_marks_spaces_counts_exactly() -> None:
     d = Document(key="k", source="s", text="", content_hash="h", acl=None, title="alpha",
                  elements=(Element("NarrativeText", "beta gamma " * 30),))
     assert all(c.num_tokens == chunker.count_tokens(c.text) <= 16 for c in chunker.chunk(d))
+
+
+def fake_embed(texts) -> np.ndarray:
+    """A vector per text that depends on the text only (the model is not what is tested here)."""
+    out = np.zeros((len(texts), 8), dtype=np.float32)
+    for i, t in enumerate(texts):
+        out[i] = np.frombuffer(hashlib.sha256(t.encode()).digest()[:32], dtype=np.uint8)[:8]
+    return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def test_the_pipeline_writes_the_same_collection_parsing_ahead(tokenizer, tmp_path) -> None:
+    """Windows of parsed sources tokenized together: same rows, same problems in the same order,
+    as one source at a time; a source that fails to parse inside a window is reported, not written."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / ".rag-acl.toml").write_text('allow = ["public"]\n')
+    with (corpus / "many.jsonl").open("w") as f:
+        for i, d in enumerate(records(40, seed=3)):
+            f.write(json.dumps({"id": f"r{i}", "text": "\n\n".join(e.text for e in d.elements),
+                                "title": d.title}) + "\n")
+    for i, d in enumerate(records(12, seed=4)):
+        (corpus / f"n{i:02d}.md").write_text("\n\n".join(
+            ("# " if e.kind == "Title" else "") + e.text.replace("\n", " ") for e in d.elements) + "\n")
+    (corpus / "n05b.txt").write_bytes(b"\x00\x01binary\xff" * 50)  # fails to parse, mid-window
+    (corpus / "n07b.md").write_text("")  # no text
+
+    def ingest(chunk_batch: int) -> tuple[list[dict], list[tuple[str, str]]]:
+        catalog = Catalog(tmp_path / f"catalog{chunk_batch}.sqlite")
+        info = catalog.create_collection("c", "fake", "fp", 8, ChunkingConfig().as_dict())
+        store = EmbeddedCollection(catalog, info, tmp_path / f"indexes{chunk_batch}")
+        chunker = Chunker(tokenizer, ChunkingConfig(), batched=chunk_batch > 1)
+        report = IngestPipeline(store, fake_embed, chunker, batch_chunks=16, chunk_batch=chunk_batch).run([corpus])
+        assert report.added == 40 + 12, report.problems
+        rows = [{k: v.tobytes() if isinstance(v, np.ndarray) else v for k, v in r.items()
+                 if k not in ("updated_at", "id", "document_id")} for r in catalog.dump("c")]
+        catalog.close()
+        return rows, [(Path(p.key).name, p.reason) for p in report.problems]
+
+    one_rows, one_problems = ingest(1)
+    rows, problems = ingest(5)
+    assert len(one_rows) > 52 and rows == one_rows
+    assert problems == one_problems, problems
+    assert [n for n, _ in problems] == ["n05b.txt", "n07b.md"], problems
