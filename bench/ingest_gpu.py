@@ -11,6 +11,11 @@ subprocesses: `rag ingest DIR --json --store memory` on an empty data directory 
 own clock from its summary, and the whole run), and the peer in the same environment: our
 `Embedder.embed` alone over the same texts in one call. Printed: chunks per second of each and the
 ratio of ingest's embed stage to the embedder alone, the hardware and the date.
+
+`--chunk-batch 1 256` runs each setting with RAG_INGEST_CHUNK_BATCH=1 (parse and tokenize one
+record at a time: the path before batched chunking) and =256 (the default), in the same run.
+`--device cpu` runs where there is no GPU (use few records); `--parallelism unset` skips the
+"false" setting.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import json, sys, time
 import torch
 from ingest.embed.embedder import Embedder, EmbedderConfig
 texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
-emb = Embedder(EmbedderConfig(model=sys.argv[2], device="cuda"))
-emb.embed(texts[:2048]); torch.cuda.synchronize()   # warm-up: kernels, allocator
-t = time.perf_counter(); emb.embed(texts); torch.cuda.synchronize()
+device = sys.argv[3]
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+emb = Embedder(EmbedderConfig(model=sys.argv[2], device=device))
+emb.embed(texts[:2048 if device == "cuda" else 64]); sync()   # warm-up: kernels, allocator
+t = time.perf_counter(); emb.embed(texts); sync()
 print(json.dumps({"seconds": time.perf_counter() - t, "chunks": len(texts)}))
 """
 
@@ -53,12 +60,15 @@ def make_corpus(path: Path, records: int, seed: int = 0) -> None:
             out.write(json.dumps({"id": f"r{i}", "text": words, "acl": ["public"]}) + "\n")
 
 
-def run(setting: str | None, corpus: Path, embedder: str) -> dict:
+def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", chunk_batch: int | None = None,
+        peer: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if setting is not None:
         env["TOKENIZERS_PARALLELISM"] = setting
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env.update(RAG_DEVICE="cuda", RAG_EMBEDDER=embedder, HF_HUB_OFFLINE="1", PYTHONPATH=path)
+    env.update(RAG_DEVICE=device, RAG_EMBEDDER=embedder, HF_HUB_OFFLINE="1", PYTHONPATH=path)
+    if chunk_batch is not None:
+        env["RAG_INGEST_CHUNK_BATCH"] = str(chunk_batch)
     with tempfile.TemporaryDirectory() as home:
         env["RAG_HOME"] = home
         t = time.perf_counter()
@@ -68,8 +78,10 @@ def run(setting: str | None, corpus: Path, embedder: str) -> dict:
     if r.returncode != 0:
         sys.exit(f"rag ingest failed ({r.returncode}):\n{r.stderr[-3000:]}")
     summary = json.loads(r.stdout)
-    alone = subprocess.run([sys.executable, "-c", ALONE, str(corpus), embedder], env=env, capture_output=True,
-                           text=True)
+    if not peer:
+        return {"summary": summary, "wall": wall, "peer": None}
+    alone = subprocess.run([sys.executable, "-c", ALONE, str(corpus), embedder, device], env=env,
+                           capture_output=True, text=True)
     if alone.returncode != 0:
         sys.exit(f"embedder alone failed:\n{alone.stderr[-3000:]}")
     peer = json.loads(alone.stdout.strip().splitlines()[-1])
@@ -80,6 +92,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--embedder", required=True, help="a local encoder folder (e.g. .benchmodels/minilm)")
     ap.add_argument("--records", type=int, default=20000)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--chunk-batch", type=int, nargs="+", default=[None],
+                    help="RAG_INGEST_CHUNK_BATCH values to run (1: one record at a time, the old path)")
+    ap.add_argument("--parallelism", choices=["both", "unset"], default="both")
     args = ap.parse_args()
     import torch
 
@@ -87,20 +103,28 @@ def main() -> None:
         corpus = Path(tmp) / "corpus" / "records.jsonl"
         corpus.parent.mkdir()
         make_corpus(corpus, args.records)
-        print(f"# {datetime.date.today()}; {torch.cuda.get_device_name(0)}; {os.cpu_count()} CPU cores "
+        hardware = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU only ({platform.processor()})"
+        cores = len(os.sched_getaffinity(0))
+        print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
-        print("| TOKENIZERS_PARALLELISM | ingest wall | ingest embed stage | embedder alone | embed stage / alone |")
-        print("|---|---|---|---|---|")
-        for setting in (None, "false"):
-            out = run(setting, corpus, args.embedder)
-            s = out["summary"]
-            chunks = s.get("chunks_written") or s.get("chunks_embedded")
-            embed_s = s["seconds"]["embed"]
-            peer = out["peer"]["chunks"] / out["peer"]["seconds"]
-            print(f"| {setting or 'unset (CLI default)'} | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
-                  f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s"
-                  f" | {chunks / embed_s / peer:.2f}x |", flush=True)
-            print(f"  stages: {json.dumps({k: round(v, 2) for k, v in s['seconds'].items()})}", flush=True)
+        print("| TOKENIZERS_PARALLELISM | chunk batch | ingest wall | ingest embed stage | embedder alone "
+              "| embed stage / alone | ingest total / alone |")
+        print("|---|---|---|---|---|---|---|")
+        for setting in (None, "false") if args.parallelism == "both" else (None,):
+            peer_s = None
+            for chunk_batch in args.chunk_batch:
+                out = run(setting, corpus, args.embedder, args.device, chunk_batch, peer=peer_s is None)
+                s = out["summary"]
+                if out["peer"] is not None:
+                    peer_s = out["peer"]["seconds"]
+                    peer = out["peer"]["chunks"] / peer_s
+                chunks = s.get("chunks_written") or s.get("chunks_embedded")
+                embed_s, total_s = s["seconds"]["embed"], s["seconds"]["total"]
+                print(f"| {setting or 'unset (CLI default)'} | {chunk_batch or 'default'}"
+                      f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
+                      f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s ({peer_s:.1f} s)"
+                      f" | {chunks / embed_s / peer:.2f}x | {peer_s / total_s:.2f}x ({total_s:.1f} s) |", flush=True)
+                print(f"  stages: {json.dumps({k: round(v, 2) for k, v in s['seconds'].items()})}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 _SENTENCE_END = (".", "!", "?", ":", ";")
-_Piece = tuple[str, str | None, list[int]]  # (chunk text, heading, pages)
+_Piece = tuple[str, str | None, list[int], int]  # (chunk text, heading, pages, tokens)
+
+# Normalizers and pre-tokenizers under which a text's tokens are those of its whitespace-separated
+# pieces: the normalizers change characters one by one (never across a space), the pre-tokenizers
+# cut at every whitespace. The tokens of "a\n\nb" are then those of "a" and of "b".
+_LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents"}
+_WHITESPACE_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"}
+_MEMO_LIMIT = 200_000  # counted texts kept between precounts (a window's texts, then what chunking asks)
 
 
 @dataclass(frozen=True)
@@ -81,10 +89,15 @@ class Chunker:
         self,
         tokenizer: PreTrainedTokenizerFast | Tokenizer,
         config: ChunkingConfig = ChunkingConfig(),  # noqa: B008 -- frozen, so sharing is safe
+        batched: bool = True,
     ) -> None:
         """Args:
             tokenizer: the embedder's Hugging Face fast tokenizer (or a `tokenizers.Tokenizer`).
             config: the size limits.
+            batched: count tokens from the counts of the parts (elements, headings) that `precount`
+                tokenizes many at a time, where the tokenizer cuts at whitespace (WordPiece models
+                such as MiniLM and BGE); the chunks are the same. False tokenizes every candidate
+                chunk on its own, one call each (the path before batching, kept for comparison).
         """
         if isinstance(tokenizer, Tokenizer):
             backend = tokenizer
@@ -98,10 +111,50 @@ class Chunker:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.config = config
+        self.is_batched = batched and _splits_at_whitespace(self._tok)
+        self._counts: dict[str, int] = {}  # text -> tokens, for texts counted by `precount` (batched only)
 
     def count_tokens(self, text: str) -> int:
         """Number of tokens in `text`, without special tokens ([CLS], [SEP])."""
         return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def precount(self, texts: Iterable[str]) -> int:
+        """Tokenize `texts` (element texts, titles of the documents about to be chunked) in one
+        batch call, so that chunking them asks the tokenizer only about windows of oversized
+        elements. Counts from an earlier call are forgotten. Returns how many texts were new.
+
+        A no-op unless `is_batched`. The batch call runs on the tokenizer's threads where
+        TOKENIZERS_PARALLELISM allows them.
+        """
+        if not self.is_batched:
+            return 0
+        self._counts = {}
+        todo = list({t.strip(): None for t in texts if t and t.strip()})
+        if todo:
+            encodings = self._tok.encode_batch_fast(todo, add_special_tokens=False)
+            self._counts = {t: len(e) for t, e in zip(todo, encodings, strict=True)}
+        return len(todo)
+
+    def _count(self, text: str) -> int:
+        """`count_tokens`, from the precounted texts where it can be."""
+        n = self._counts.get(text)
+        if n is None:
+            n = self.count_tokens(text)
+            if self.is_batched:
+                if len(self._counts) >= _MEMO_LIMIT:
+                    self._counts = {}
+                self._counts[text] = n
+        return n
+
+    def _count_composed(self, prefix: str, parts: list[str]) -> int:
+        """Tokens of `_compose(prefix, parts)`: the sum of its parts' counts where the tokenizer
+        cuts at whitespace (the parts are joined by blank lines), else the tokenizer's count."""
+        if not self.is_batched:
+            return self.count_tokens(self._compose(prefix, parts))
+        n = sum(self._count(p) for p in parts)
+        if not self._absorbs(prefix, parts):
+            n += self._count(prefix)
+        return n
 
     def chunk(self, doc: Document) -> list[Chunk]:
         """The chunks of `doc`, indexed 0..n-1, each within the token cap.
@@ -121,8 +174,7 @@ class Chunker:
         its elements arrive, so a huge document streams through with only the chunk being filled
         in memory. `doc.elements` and `doc.text` are not read.
         """
-        for i, (text, heading, pages) in enumerate(self._pieces(doc.title, elements)):
-            n = self.count_tokens(text)
+        for i, (text, heading, pages, n) in enumerate(self._pieces(doc.title, elements)):
             assert n <= self.config.max_tokens, (n, text[:80])
             meta: dict[str, Any] = {}
             if pages:
@@ -182,14 +234,26 @@ class Chunker:
                         has_real_titles=True, context=len(doc_title) + len(" › "))
 
     @staticmethod
+    def _absorbs(prefix: str, parts: list[str]) -> bool:
+        """Whether `_compose` leaves the prefix out: there is none, or the heading already opens
+        the body (its first line(s))."""
+        if not prefix:
+            return True
+        body = "\n\n".join(parts)
+        return body == prefix or body.startswith(prefix + "\n")
+
+    @staticmethod
     def _compose(prefix: str, parts: list[str]) -> str:
         body = "\n\n".join(parts)
-        if not prefix or body == prefix or body.startswith(prefix + "\n"):
-            return body  # the heading already opens the body (its first line(s))
+        if Chunker._absorbs(prefix, parts):
+            return body
         return f"{prefix}\n\n{body}"
 
     def _fits(self, text: str) -> bool:
         return self.count_tokens(text) <= self.config.max_tokens
+
+    def _fits_composed(self, prefix: str, parts: list[str]) -> bool:
+        return self._count_composed(prefix, parts) <= self.config.max_tokens
 
     # --------------------------------------------------------------------------- splitting
 
@@ -281,10 +345,10 @@ class _SectionPacker:
         self.heading = section.heading
         titles = list(section.titles)
         limit = chunker.config.max_tokens // 2
-        if section.context and chunker.count_tokens("\n".join(titles)) > limit:
+        if section.context and chunker._count("\n".join(titles)) > limit:
             titles[0] = titles[0][section.context:]  # the title context goes first: it is only context
         moved: list[str] = []
-        while titles and chunker.count_tokens("\n".join(titles)) > limit:
+        while titles and chunker._count("\n".join(titles)) > limit:
             moved.append(titles.pop(0))
         self.prefix = "\n".join(titles)
         self.has_real_titles = section.has_real_titles
@@ -303,7 +367,7 @@ class _SectionPacker:
         out = self._take_moved()
         if not self._has_body:
             if self.has_real_titles and self.prefix:
-                out.append((self.prefix, self.heading, []))
+                out.append((self.prefix, self.heading, [], self.chunker._count(self.prefix)))
             return out
         self._flush(out)
         return out
@@ -318,24 +382,51 @@ class _SectionPacker:
     def _add(self, el: Element, out: list[_Piece]) -> None:
         self._has_body = True
         c = self.chunker
-        if c._fits(c._compose(self.prefix, [*self._parts, el.text])):
+        if c._fits_composed(self.prefix, [*self._parts, el.text]):
             self._parts.append(el.text)
         else:
             self._flush(out)
-            if c._fits(c._compose(self.prefix, [el.text])):
+            if c._fits_composed(self.prefix, [el.text]):
                 self._parts.append(el.text)
             else:
                 windows = c._split(el.text, self.prefix)
                 for w in windows[:-1]:
                     out.append((c._compose(self.prefix, [w]), self.heading,
-                                [el.page] if el.page is not None else []))
+                                [el.page] if el.page is not None else [], c._count_composed(self.prefix, [w])))
                 self._parts.append(windows[-1])  # the tail may still share a chunk with what follows
         if el.page is not None:
             self._pages.append(el.page)
 
     def _flush(self, out: list[_Piece]) -> None:
         if self._parts:
-            out.append((self.chunker._compose(self.prefix, self._parts), self.heading,
-                        sorted(set(self._pages))))
+            c = self.chunker
+            out.append((c._compose(self.prefix, self._parts), self.heading, sorted(set(self._pages)),
+                        c._count_composed(self.prefix, self._parts)))
             self._parts.clear()
             self._pages.clear()
+
+
+def _splits_at_whitespace(tok: Tokenizer) -> bool:
+    """Whether `tok` counts a text joined by whitespace as the sum of its parts' counts.
+
+    Read from its normalizer and pre-tokenizer (see `_LOCAL_NORMALIZERS`), with added tokens that
+    hold no whitespace (one could match across a joint), then checked on a sample. Byte-level BPE
+    and SentencePiece tokenizers (which mark a word's leading space) are not: they count exactly.
+    """
+    spec = json.loads(tok.to_str())
+
+    def made_of(node: dict[str, Any] | None, allowed: set[str], key: str) -> bool:
+        if node is None:
+            return key == "normalizers"  # no normalizer is fine; no pre-tokenizer is one big word
+        if node.get("type") == "Sequence":
+            return all(made_of(n, allowed, key) for n in node.get(key, []))
+        return node.get("type") in allowed
+
+    if not (made_of(spec.get("normalizer"), _LOCAL_NORMALIZERS, "normalizers")
+            and made_of(spec.get("pre_tokenizer"), _WHITESPACE_PRE_TOKENIZERS, "pretokenizers")):
+        return False
+    if any(any(c.isspace() for c in t.get("content", "")) for t in spec.get("added_tokens", [])):
+        return False
+    a, b = "Dr. Ada's run: 42 GPUs (naïve)", "Résumé—中文 text\tend."
+    count = len(tok.encode(f"{a}\n\n{b}", add_special_tokens=False))
+    return count == len(tok.encode(a, add_special_tokens=False)) + len(tok.encode(b, add_special_tokens=False))

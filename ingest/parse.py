@@ -126,7 +126,7 @@ def parse_item_stream(item: SourceItem, stream_above: int = STREAM_ABOVE_BYTES
         ParseError: as `parse_item`.
     """
     suffix = item.path.suffix.lower()
-    if item.kind != "file" or suffix not in STREAMED_SUFFIXES or _size(item.path) <= stream_above:
+    if not is_streamed(item, stream_above):
         doc = parse_item(item)
         elements = doc.elements
         return _without_text(doc), iter(elements)
@@ -142,6 +142,11 @@ def parse_item_stream(item: SourceItem, stream_above: int = STREAM_ABOVE_BYTES
     doc = Document(key=item.key, source=item.display or str(path), text="", content_hash=item.content_hash,
                    acl=item.acl, title=title, elements=(), metadata=dict(item.metadata))
     return doc, itertools.chain(head, elements)
+
+
+def is_streamed(item: SourceItem, stream_above: int = STREAM_ABOVE_BYTES) -> bool:
+    """Whether `parse_item_stream` reads `item` a block at a time (rather than parsing it whole)."""
+    return item.kind == "file" and item.path.suffix.lower() in STREAMED_SUFFIXES and _size(item.path) > stream_above
 
 
 def _without_text(doc: Document) -> Document:

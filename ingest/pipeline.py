@@ -15,6 +15,7 @@ batch of parsed documents waits for the embedder at a time.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -29,7 +30,7 @@ from ingest.acl_changes import AclProblem, Widening, widens
 from ingest.batch_commit import BatchCommitter, CommitCounts, OpenDocument
 from ingest.chunk import Chunker
 from ingest.deletion_guard import DeletionGuard, DeletionRefusal
-from ingest.parse import STREAM_ABOVE_BYTES, document_bytes, parse_item_stream
+from ingest.parse import STREAM_ABOVE_BYTES, document_bytes, is_streamed, parse_item_stream
 from ingest.source_names import SourceNamer
 from ingest.sources import (
     COVERS_SOURCE,
@@ -44,6 +45,7 @@ from ingest.sources import (
 from ingest.staging import ChunkStaging
 from ingest.vanished import NOBODY, Holds, restrict, settle_vanished
 from rag.errors import IngestError
+from rag.types import Document, Element
 from retrieval.base import CollectionStore
 from retrieval.records import BuildOutcome, DocumentCounts, DocumentState
 
@@ -60,6 +62,11 @@ T = TypeVar("T")
 # HTML) take several times their size in memory, and a streamed text file's final write holds its
 # chunks and vectors (about 3x its size). rag/settings.py's max_document_bytes sets it.
 DEFAULT_MAX_DOCUMENT_BYTES = 100 * 1024 * 1024
+# A window of parsed documents (whose texts are tokenized together) holds at most this much text.
+WINDOW_TEXT_CHARS = 32 << 20
+
+# A source parsed ahead of its turn: its document and elements, or why it could not be parsed.
+_Parsed = tuple[Document, list[Element]] | Exception
 
 
 @dataclass
@@ -137,7 +144,7 @@ class IngestPipeline:
                  chunker: Chunker, batch_chunks: int = 256, namer: SourceNamer | None = None,
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
-                 stream_above_bytes: int = STREAM_ABOVE_BYTES) -> None:
+                 stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -153,7 +160,13 @@ class IngestPipeline:
                 embedded (durable, so a restart resumes inside a huge document); None keeps
                 them in memory. A finished run deletes it.
             stream_above_bytes: text and Markdown files above this are parsed block by block.
+            chunk_batch: sources parsed ahead of the one being written (at most `WINDOW_TEXT_CHARS`
+                of text), whose element texts the chunker tokenizes in one call (`Chunker.precount`);
+                1 parses and tokenizes one source at a time. Sources are still handled, written and
+                reported in the walk's order.
         """
+        assert chunk_batch >= 1
+        self.chunk_batch = chunk_batch
         self.max_document_bytes = max_document_bytes
         self.staging_path = staging_path
         self.stream_above_bytes = stream_above_bytes
@@ -221,7 +234,14 @@ class IngestPipeline:
 
         committer = BatchCommitter(self.store, self.embed, self.batch_chunks, staging,
                                    lambda entry: _count_written(entry, report), clock, on_batch)
-        for n, item in enumerate(_timed(walk_sources(roots, namer=self.namer), clock, "scan"), 1):
+        def wants_parse(item: SourceItem | SourceProblem) -> bool:
+            if isinstance(item, SourceProblem) or not mine(item.key):
+                return False
+            old = stored.get(item.key)
+            return (old is None or old.content_hash != item.content_hash) and not self._is_over_cap(item)
+
+        walk = _timed(walk_sources(roots, namer=self.namer), clock, "scan")
+        for n, (item, parsed) in enumerate(self._parsed_ahead(walk, wants_parse, clock), 1):
             is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
             if is_hold:
                 holds.add(item)  # in every shard: what it covers may be any shard's
@@ -233,7 +253,7 @@ class IngestPipeline:
                 if old is not None:
                     self._keep(item, old, report, clock)
             else:
-                self._one(item, old, report, committer, clock)
+                self._one(item, old, report, committer, clock, parsed)
             if progress:
                 progress("ingest", n, max(total, n))
             self.max_pending_chunks = max(self.max_pending_chunks, committer.waiting)
@@ -272,8 +292,43 @@ class IngestPipeline:
             with clock("write"):
                 restrict(self.store, problem.key, acl)
 
+    def _parsed_ahead(self, items: Iterator[SourceItem | SourceProblem],
+                      wants_parse: Callable[[SourceItem | SourceProblem], bool],
+                      clock: _Clock) -> Iterator[tuple[SourceItem | SourceProblem, _Parsed | None]]:
+        """The items, each with its parse when it was parsed ahead (else None: `_one` parses it).
+
+        Windows of up to `chunk_batch` items (and `WINDOW_TEXT_CHARS` of parsed text) are parsed,
+        then their texts are tokenized in one call, before the first of them is handed on: only
+        one window of parsed documents is held at a time. Streamed (huge text) files are not
+        parsed ahead. With `chunk_batch` 1 nothing is (the one-at-a-time path).
+        """
+        if self.chunk_batch == 1:
+            yield from ((item, None) for item in items)
+            return
+        while True:
+            window: list[tuple[SourceItem | SourceProblem, _Parsed | None]] = []
+            chars = 0
+            for item in itertools.islice(items, self.chunk_batch):
+                parsed = None
+                if wants_parse(item) and not is_streamed(item, self.stream_above_bytes):
+                    assert isinstance(item, SourceItem)
+                    with clock("parse"):
+                        parsed = _parse_whole(item, self.stream_above_bytes)
+                    if not isinstance(parsed, Exception):
+                        chars += sum(len(e.text) for e in parsed[1])
+                window.append((item, parsed))
+                if chars >= WINDOW_TEXT_CHARS:
+                    break
+            if not window:
+                return
+            with clock("chunk"):
+                self.chunker.precount(itertools.chain.from_iterable(
+                    [p[0].title or "", *(e.text for e in p[1])] for _, p in window
+                    if p is not None and not isinstance(p, Exception)))
+            yield from window
+
     def _one(self, item: SourceItem, old: DocumentState | None, report: IngestReport,
-             committer: BatchCommitter, clock: _Clock) -> None:
+             committer: BatchCommitter, clock: _Clock, parsed: _Parsed | None = None) -> None:
         if item.acl_error is not None:
             report.acl_errors.append(AclProblem(item.key, item.acl_error))
         if old is not None and widens(old.acl, item.acl):
@@ -292,8 +347,13 @@ class IngestPipeline:
         # Parsing and chunking stream (a huge text file is read a block at a time): the chunks
         # go to the committer as they come, which embeds and commits them a batch at a time.
         try:
-            with clock("parse"):
-                doc, elements = parse_item_stream(item, self.stream_above_bytes)
+            if parsed is None:
+                with clock("parse"):
+                    doc, elements = parse_item_stream(item, self.stream_above_bytes)
+            elif isinstance(parsed, Exception):
+                raise parsed
+            else:
+                doc, elements = parsed[0], iter(parsed[1])
         except Exception as e:
             self._failed(item, old, e, report, clock)
             return
@@ -332,16 +392,18 @@ class IngestPipeline:
         self._keep_acl(item, old, clock)
 
     def _over_cap(self, item: SourceItem, report: IngestReport) -> bool:
+        if not self._is_over_cap(item):
+            return False
+        report.skipped.append(Skipped(item.key, document_bytes(item), self.max_document_bytes))
+        return True
+
+    def _is_over_cap(self, item: SourceItem) -> bool:
         if not self.max_document_bytes:
             return False
         try:
-            size = document_bytes(item)
+            return document_bytes(item) > self.max_document_bytes
         except OSError:
             return False  # parsing reports why it cannot be read
-        if size <= self.max_document_bytes:
-            return False
-        report.skipped.append(Skipped(item.key, size, self.max_document_bytes))
-        return True
 
     def _keep_acl(self, item: SourceItem, old: DocumentState | None, clock: _Clock) -> None:
         # The stored version of a source that no longer parses stays, but under the source's
@@ -349,6 +411,15 @@ class IngestPipeline:
         if old is not None and old.acl != item.acl:
             with clock("write"):
                 restrict(self.store, item.key, item.acl)
+
+
+def _parse_whole(item: SourceItem, stream_above: int) -> _Parsed:
+    """`parse_item_stream` of a source parsed whole, its elements in a list; or the parse error."""
+    try:
+        doc, elements = parse_item_stream(item, stream_above)
+        return doc, list(elements)
+    except Exception as e:  # reported when the source's turn comes, as if it had been parsed then
+        return e
 
 
 def _count_written(entry: OpenDocument, report: IngestReport) -> None:

@@ -181,13 +181,15 @@ class Rag:
             store.refresh()  # what a previous holder wrote
             from ingest.embed.embedder import ingest_batch_chunks
 
-            chunker = Chunker(self.embedder.tokenizer, ChunkingConfig.from_dict(store.info.chunking))
+            chunk_batch = self.settings.ingest_chunk_batch
+            chunker = Chunker(self.embedder.tokenizer, ChunkingConfig.from_dict(store.info.chunking),
+                              batched=chunk_batch > 1)
             namer = SourceNamer(self.settings.source_urls)
             guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
             batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
             pipeline = IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer,
                                       guard=guard, max_document_bytes=self.settings.max_document_bytes,
-                                      staging_path=staging)  # fmt: skip
+                                      staging_path=staging, chunk_batch=chunk_batch)  # fmt: skip
             return pipeline.run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:

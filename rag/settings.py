@@ -74,6 +74,10 @@ class Settings(BaseSettings):
     # at most one). None: 256 on a CPU (~8 s of work), 4096 on a GPU, where small calls leave it
     # idle (bench/ingest_gpu.py).
     ingest_batch_chunks: int | None = Field(default=None, ge=1, le=65536)
+    # Sources `rag ingest` parses ahead, whose texts the chunker tokenizes in one batch call
+    # (the tokenizer's threads work on it); 1 parses and tokenizes one source at a time, as
+    # before (bench/ingest_gpu.py --chunk-batch 1 measures that path). The chunks are the same.
+    ingest_chunk_batch: int = Field(default=256, ge=1, le=65536)
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
     # A mount that vanished looks like every file deleted; 1.0 turns the share check off.

@@ -154,10 +154,11 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         # The guard's fraction is of the whole collection's fair share per shard (this store holds only its part).
         live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
         chunking = ChunkingConfig.from_dict(spec.chunking)
-        chunker = Chunker(embedder.tokenizer, chunking)
+        chunker = Chunker(embedder.tokenizer, chunking, batched=settings.ingest_chunk_batch > 1)
         report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
                                 batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,
+                                chunk_batch=settings.ingest_chunk_batch,
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
