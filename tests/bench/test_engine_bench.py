@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from generation.config import ModelConfig
+from tests.bench import loaded_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "engine_llama8b.py"
@@ -21,14 +21,7 @@ ALL_SECTIONS = "decode,throughput,prefix,overhead,profile,rag-prefill"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("engine_llama8b", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from loaded_bench("engine_llama8b")
 
 
 def test_settings_compare_puts_bf16_first(bench):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,20 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import loaded_bench
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "goodput.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("goodput", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from loaded_bench("goodput")
 
 
 def test_ttft_tpot_and_itl_of_one_request(bench):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,19 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import loaded_bench
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rag_kv_reuse.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("rag_kv_reuse", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from loaded_bench("rag_kv_reuse")
 
 
 def table(stdout, header):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,20 +10,14 @@ from torch import nn
 
 from generation.config import ModelConfig
 from generation.models.llama import LlamaForCausalLM
+from tests.bench import loaded_bench
 
 ROOFLINE = Path(__file__).resolve().parents[2] / "bench" / "roofline.py"
 
 
 @pytest.fixture(scope="module")
 def roofline():
-    spec = importlib.util.spec_from_file_location("roofline", ROOFLINE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from loaded_bench("roofline")
 
 
 def tiny_config(tied: bool = False, **kw) -> ModelConfig:
