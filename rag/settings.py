@@ -128,6 +128,11 @@ class Settings(BaseSettings):
     # or "pgvector" (a PostgreSQL server: `dsn`, or the local one of `rag db start`).
     store: Literal["faiss", "faiss-hnsw", "faiss-ivf", "memory", "pgvector"] = "faiss"
     dsn: str | None = Field(default=None, description="PostgreSQL URL for store = pgvector")
+    # store = "faiss-ivf" on a GPU (the `faiss-gpu` extra): "auto" trains, fills and searches the
+    # IVF lists on the GPU once a collection holds 1M vectors and Faiss sees a GPU; "on" insists
+    # (an error with the install hint without one); "off" keeps everything on the CPU. The saved
+    # index is a CPU one either way.
+    faiss_gpu: Literal["auto", "off", "on"] = "auto"
     # Retrieval legs: dense (embeddings), keyword (BM25 / full text) or hybrid (both, RRF).
     mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
     host: str = "127.0.0.1"

@@ -2,7 +2,11 @@
 
 HNSW and IVF run twice: with their default exact threshold (these small sets are then
 searched exactly) and with `exact_below=0` ("...:approx"), so that the graph and the
-inverted lists themselves are searched. Approximate answers are held to recall against the
+inverted lists themselves are searched. "faiss-ivf-gpu" is the GPU IVF index
+(`retrieval.vectors.faiss_gpu.GpuIvfIndex`) on a CPU stand-in with the classic GPU indexes'
+limitation (a replica that refuses an ID selector), its device path on from the first row, so
+its over-fetch, deepening and CPU fallback answer here; the real GPU runs in
+tests/retrieval/test_faiss_gpu.py (`-m gpu`). Approximate answers are held to recall against the
 reference instead of equality, and never to anything outside the allow-list.
 """
 
@@ -14,10 +18,12 @@ import pytest
 from rag.errors import StoreError
 from retrieval.vectors import make_vector_index
 from retrieval.vectors.faiss_flat import FlatIndex
+from retrieval.vectors.faiss_gpu import GpuIvfIndex, SelectorlessCpu
 from retrieval.vectors.memory import MemoryIndex
 
 DIM = 16
-KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf", "faiss-hnsw:approx", "faiss-ivf:approx"]
+KINDS = ["memory", "faiss", "faiss-hnsw", "faiss-ivf", "faiss-ivf-gpu", "faiss-hnsw:approx", "faiss-ivf:approx",
+         "faiss-ivf-gpu:approx"]
 N = 1500  # above IvfIndex.MIN_TRAIN, so that IVF has trained lists to search
 
 
@@ -29,6 +35,9 @@ def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
 @pytest.fixture(params=KINDS)
 def store(request):
     kind, _, mode = request.param.partition(":")
+    if kind == "faiss-ivf-gpu":  # the device path from the first row (min_rows=0)
+        extra = {"exact_below": 0} if mode == "approx" else {}
+        return GpuIvfIndex(DIM, SelectorlessCpu(), min_rows=0, **extra)
     return make_vector_index(kind, DIM, exact_below=0 if mode == "approx" else None)
 
 
