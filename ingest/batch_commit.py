@@ -1,8 +1,9 @@
 """Chunks → fixed-size embed batches → committed: after each batch, all its work is durable.
 
 Each embed call takes at most `batch_chunks` chunks, from as many documents as it takes to fill
-it. When it returns, every document whose last chunk it embedded is written to the store (one
-transaction each, or a batch of them where the store batches: pgvector), and the embedded chunks
+it. When it returns, every document whose last chunk it embedded is written to the store, and the
+store is flushed: the batch's documents commit in one transaction where the store batches
+(the embedded catalog: a savepoint per document; pgvector), each whole. The embedded chunks
 of the document still being read are staged (`ingest.staging`), so a kill at any moment loses at
 most the batch being embedded (and the documents a store had not yet committed, which the next run
 writes again), and a huge document never shows half of a new version: it is written whole once its
@@ -144,11 +145,14 @@ class BatchCommitter:
         log.info("embedded batch %d: %d chunks (%d in this run)", self.counts.batches, len(queue),
                  self.counts.chunks_embedded)
         with self.clock("write"):
-            for entry in touched.values():
-                if entry.complete and entry.waiting == 0:
-                    self._write(entry)
-                else:  # still being read (or waiting for more of its chunks): keep the work
-                    self._stage(entry)
+            try:
+                for entry in touched.values():
+                    if entry.complete and entry.waiting == 0:
+                        self._write(entry)
+                    else:  # still being read (or waiting for more of its chunks): keep the work
+                        self._stage(entry)
+            finally:  # also when a write failed: the documents written before it are whole
+                self.index.flush()
         if self.on_batch is not None:
             self.on_batch(self.counts)
 

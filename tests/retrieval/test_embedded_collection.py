@@ -107,3 +107,89 @@ def test_refresh_sees_another_writer(tmp_path, catalog):
     assert index.vectors.count() == 2
     assert index.refresh() is False
     other.close()
+
+
+def _committed(path) -> list[tuple[str, int]]:
+    """(key, chunks) of the documents another connection sees: only committed rows."""
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT d.key, COUNT(c.id) FROM documents d LEFT JOIN chunks c"
+                            " ON c.document_id = d.id GROUP BY d.id ORDER BY d.key").fetchall()
+
+
+def test_batched_writes_commit_together_at_flush(tmp_path, catalog):
+    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    for i, key in enumerate("abc"):
+        index.replace_document(_doc(key), frozenset({"public"}), _chunks(key, 2), _vecs(2, i))
+    assert catalog.batch_documents == 3
+    assert _committed(catalog.path) == []  # one open transaction: nothing is visible yet
+    assert index.stats() == {"documents": 3, "chunks": 6}  # the writer reads its own writes
+    index.flush()
+    assert catalog.batch_documents == 0
+    assert _committed(catalog.path) == [("a", 2), ("b", 2), ("c", 2)]
+
+
+def test_a_failed_document_rolls_back_alone_inside_a_batch(tmp_path, catalog):
+    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index.replace_document(_doc("a", "v1"), frozenset({"public"}), _chunks("a", 2), _vecs(2, 0))
+    index.flush()
+    index.replace_document(_doc("b"), frozenset({"public"}), _chunks("b", 1), _vecs(1, 1))
+    bad = [Chunk("a", 0, "dup", 1), Chunk("a", 0, "dup", 1)]  # violates UNIQUE(document, idx)
+    with pytest.raises(sqlite3.IntegrityError):
+        index.replace_document(_doc("a", "v2"), frozenset({"public"}), bad, _vecs(2, 1))
+    index.replace_document(_doc("c"), frozenset({"public"}), _chunks("c", 1), _vecs(1, 2))
+    index.flush()
+    # "a" keeps its first version whole; the documents before and after it in the batch commit.
+    assert _committed(catalog.path) == [("a", 2), ("b", 1), ("c", 1)]
+    assert [r["text"] for r in catalog.dump("docs") if r["key"] == "a"] == ["a part 0", "a part 1"]
+
+
+def test_a_batch_never_committed_leaves_no_part_of_a_document(tmp_path):
+    """A process killed before the commit: its batch is gone whole, earlier batches stay."""
+    path = tmp_path / "catalog.sqlite"
+    script = f"""
+import os, pathlib, numpy as np
+from rag.types import Chunk, Document
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
+c = Catalog(pathlib.Path({str(path)!r}))
+c.create_collection("docs", "e", "fp", {DIM}, {{}})
+index = EmbeddedCollection(c, c.get_collection("docs"), None)
+def write(key, n):
+    doc = Document(key=key, source=key, text="", content_hash=key, acl=None, title=key)
+    chunks = [Chunk(document_key=key, index=i, text=f"{{key}} {{i}}", num_tokens=1) for i in range(n)]
+    index.replace_document(doc, frozenset({{"public"}}), chunks, np.ones((n, {DIM}), np.float32))
+write("a", 3); write("b", 1)
+index.flush()
+write("c", 2); write("d", 4)
+os.kill(os.getpid(), 9)
+"""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    assert _committed(path) == [("a", 3), ("b", 1)]
+
+
+def test_other_writes_commit_an_open_batch_first(tmp_path, catalog):
+    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index.replace_document(_doc("a"), frozenset({"public"}), _chunks("a", 1), _vecs(1, 0))
+    index.replace_document(_doc("b"), frozenset({"public"}), _chunks("b", 1), _vecs(1, 1))
+    index.set_acl("a", frozenset({"user:bob"}))  # an ACL change is never held back in a batch
+    assert _committed(catalog.path) == [("a", 1), ("b", 1)]
+    index.replace_document(_doc("c"), frozenset({"public"}), _chunks("c", 1), _vecs(1, 2))
+    index.delete_document("b")
+    assert _committed(catalog.path) == [("a", 1), ("c", 1)]
+    index.replace_document(_doc("d"), frozenset({"public"}), _chunks("d", 1), _vecs(1, 3))
+    index.save()
+    assert _committed(catalog.path) == [("a", 1), ("c", 1), ("d", 1)]
+    assert catalog.version("docs") == index.loaded_version
+
+
+def test_a_batch_commits_itself_when_full(tmp_path, catalog, monkeypatch):
+    from retrieval.stores.embedded import catalog as catalog_module
+
+    monkeypatch.setattr(catalog_module, "BATCH_DOCUMENTS", 2)
+    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    for i, key in enumerate("abc"):
+        index.replace_document(_doc(key), frozenset({"public"}), _chunks(key, 1), _vecs(1, i))
+    assert _committed(catalog.path) == [("a", 1), ("b", 1)] and catalog.batch_documents == 1

@@ -13,6 +13,11 @@ A collection rebuilt with another embedder or chunking (`retrieval.rebuild`) is 
 hidden collection `NAME@G` (G its generation, the "version 2" users see) beside the live one,
 and `promote` gives it the live name in one transaction: the live collection always carries
 the plain name, so readers never need to know about generations.
+
+Ingest writes documents in batches (`replace_document(..., batched=True)`): one transaction holds
+many documents, each in a savepoint of its own, and `commit()` ends it (after each embed batch):
+a crash before the commit loses the batch's documents whole, never a part of one. Any other write
+(ACL change, delete, purge, rename) commits an open batch first, then runs in its own transaction.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -35,6 +41,9 @@ from retrieval.stores.embedded.catalog_schema import connect, migrate
 
 log = logging.getLogger(__name__)
 
+# A batch of documents (one transaction) is committed at the latest when it holds this many.
+BATCH_DOCUMENTS = 4096
+
 
 class Catalog:
     """Documents, chunks, ACLs and vectors of every collection, in one SQLite file."""
@@ -43,6 +52,7 @@ class Catalog:
         self.path = path
         # One connection per thread: the query service reads the catalog from many at once.
         self._conns = ThreadConnections(lambda: connect(path))
+        self._batch = threading.local()  # documents in this thread's open batch (its connection's)
         try:
             migrate(self.conn, self._transaction)
         except sqlite3.DatabaseError as e:
@@ -54,7 +64,24 @@ class Catalog:
         return self._conns.get()
 
     def close(self) -> None:
-        self._conns.close()
+        """Commit this thread's open batch (its documents are whole), then close every connection."""
+        try:
+            self.commit()
+        finally:
+            self._conns.close()
+
+    def commit(self) -> None:
+        """Commit this thread's open batch of `replace_document(..., batched=True)` writes (if any)."""
+        if not getattr(self._batch, "open", False):
+            return
+        self._batch.open, self._batch.documents = False, 0
+        if self.conn.in_transaction:  # else SQLite rolled it back already (a failed statement)
+            self.conn.execute("COMMIT")
+
+    @property
+    def batch_documents(self) -> int:
+        """Documents written in this thread's open batch, not committed yet."""
+        return getattr(self._batch, "documents", 0)
 
     # -- collections -------------------------------------------------------------------
 
@@ -208,9 +235,14 @@ class Catalog:
 
     def replace_document(
         self, collection: str, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
-        vectors: np.ndarray,
+        vectors: np.ndarray, batched: bool = False,
     ) -> tuple[list[int], list[int]]:
         """Write a document with its chunks and vectors in one transaction.
+
+        Args:
+            batched: join this thread's open batch (opening one if none is): the document is
+                written in a savepoint and committed with the batch (`commit`, or any other
+                write; at the latest at `BATCH_DOCUMENTS` documents), whole or not at all.
 
         Returns (chunk ids removed, chunk ids added) so the vector index can follow.
         An interrupted call leaves the previous version intact.
@@ -222,7 +254,7 @@ class Catalog:
                 f"vectors have {vectors.shape[1]} dims but collection {collection!r} has {info.dim}"
             )
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        with self._transaction():
+        with self._savepoint() if batched else self._transaction():
             removed = self._delete_document(collection, doc.key)
             acl_json = json.dumps(sorted(acl))
             cur = self.conn.execute(
@@ -251,6 +283,10 @@ class Catalog:
                 self.conn, collection, acl_json,
                 [(cid, c.text, c.heading, c.num_tokens) for cid, c in zip(added, chunks, strict=True)])
             self._bump(collection)
+        if batched:
+            self._batch.documents = self.batch_documents + 1
+            if self._batch.documents >= BATCH_DOCUMENTS:
+                self.commit()
         return removed, added
 
     def set_acl(self, collection: str, key: str, acl: frozenset[str]) -> None:
@@ -444,7 +480,31 @@ class Catalog:
         )
 
     def _transaction(self) -> _Transaction:
+        self.commit()  # an open batch goes first: this write commits on its own
         return _Transaction(self.conn)
+
+    def _savepoint(self) -> _Savepoint:
+        if not getattr(self._batch, "open", False):
+            self.conn.execute("BEGIN IMMEDIATE")
+            self._batch.open, self._batch.documents = True, 0
+        return _Savepoint(self.conn)
+
+
+class _Savepoint:
+    """One document of a batch: released into the batch, or rolled back alone on any exception."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("SAVEPOINT document")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.conn.in_transaction:
+            return  # SQLite rolled the whole batch back (disk full, I/O error): nothing to release
+        if exc_type is not None:
+            self.conn.execute("ROLLBACK TO document")
+        self.conn.execute("RELEASE document")
 
 
 class _Transaction:

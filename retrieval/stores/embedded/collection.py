@@ -8,7 +8,9 @@ that finds the catalog further along (another writer) rebuilds rather than misla
 
 Vector writes are queued and applied to the store in bulk before it is next read: Faiss's
 ID map scans every stored id on each add or remove call, so one call per document made a
-large ingest quadratic (50,000 one-chunk documents: 105 s in the store, now ~1 s).
+large ingest quadratic (50,000 one-chunk documents: 105 s in the store, now ~1 s). Catalog
+writes are batched the same way: each document in a savepoint of one transaction that `flush`
+commits (ingest flushes after every embed batch), not a commit per document.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddedCollection:
-    """Writes go to the catalog first (one transaction per document), then to the vector index.
+    """Writes go to the catalog first (a batch of documents per transaction), then to the vector index.
 
     Implements `retrieval.base.CollectionStore` for the embedded default.
     """
@@ -110,6 +112,7 @@ class EmbeddedCollection:
         Also purges removed text from the catalog's files (`Catalog.purge_removed_text`): a
         batch of writes ends here, so the keyword tables are rewritten once per batch.
         """
+        self.catalog.commit()
         self.catalog.purge_removed_text()
         if self.index_dir is None or self._path(0) is None:
             return
@@ -130,11 +133,14 @@ class EmbeddedCollection:
         return None
 
     def flush(self) -> None:
-        """Nothing buffered: each write is its own catalog transaction."""
+        """Commit the documents written since the last commit (one catalog transaction)."""
+        self.catalog.commit()
 
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None:
-        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors)
+        """Write a document whole (a savepoint), committed with its batch: at `flush`, `save`, the
+        next ACL change or delete, or at `catalog.BATCH_DOCUMENTS` documents."""
+        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors, batched=True)
         self._queued.remove(removed)
         self._queued.add(added, vectors)
         if self._queued.size >= _BULK:

@@ -1,0 +1,91 @@
+"""The write stage alone into the embedded store (SQLite catalog + Faiss): a transaction per document
+(before) against one per embed batch of documents (after), documents/s.
+
+    PYTHONPATH=. .venv/bin/python bench/embedded_writes.py                       # 50,000 x 1 chunk
+    PYTHONPATH=. .venv/bin/python bench/embedded_writes.py --docs 2000 --rounds 1  # smoke
+
+Vectors are precomputed (random unit vectors, `bench/pgvector_writes.py`'s documents: Zipf words,
+one of 20 group ACLs), so embedding and chunking are out of the figure: each row times the
+`replace_document` calls an ingest makes, the `flush()` that `ingest.batch_commit` makes after
+every embed batch, and the `save()` that ends the run. Defaults match the H200 `rag ingest` run:
+50,000 one-chunk documents of ~100 words, 384-d. Rows, each into a fresh catalog, in turn:
+- `--batch 1`: flush after every document, i.e. one transaction per document (the path before
+  batched catalog writes; the same code as the others, measured in this run).
+- `--batch N`: flush after every N documents, as ingest does after an embed batch of N one-chunk
+  documents (256 on a CPU, 4096 on a GPU by default).
+Run it with PYTHONPATH set to a checkout before the change to time the old code itself (its
+`flush()` is a no-op there, so every row is one transaction per document).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.machine import describe_machine  # noqa: E402
+from bench.pgvector_writes import CHUNKING, documents  # noqa: E402
+
+
+def write_all(work: Path, docs: list, batch: int, dim: int) -> tuple[float, float]:
+    """(seconds in replace_document + flush, seconds in save) for `docs` into a fresh collection."""
+    from retrieval.stores.embedded.catalog import Catalog
+    from retrieval.stores.embedded.collection import EmbeddedCollection
+
+    catalog = Catalog(work / "catalog.sqlite")
+    info = catalog.create_collection("bench", "bench-random-vectors", "bench-random-vectors", dim, CHUNKING)
+    store = EmbeddedCollection(catalog, info, work / "indexes", "faiss")
+    try:
+        started = time.perf_counter()
+        for n, (doc, acl, chunks, vectors) in enumerate(docs, 1):
+            store.replace_document(doc, acl, chunks, vectors)
+            if n % batch == 0:
+                store.flush()
+        store.flush()
+        written = time.perf_counter()
+        store.save()
+        assert catalog.collection_stats("bench")["documents"] == len(docs)
+        return written - started, time.perf_counter() - written
+    finally:
+        catalog.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    print(f"# {datetime.datetime.now().isoformat(timespec='minutes')}, {describe_machine(use_gpu=False)}")
+    print(f"# {args.docs} documents x {args.chunks} chunks x {args.dim}-d, {args.words} words a chunk; "
+          f"store code from {Path(__import__('retrieval').__file__).parent.parent}")
+    t = time.perf_counter()
+    corpus = documents(range(args.docs), args)
+    print(f"# corpus generated in {time.perf_counter() - t:.0f} s")
+    results: dict[int, list[tuple[float, float]]] = {b: [] for b in args.batch}
+    for _ in range(args.rounds):
+        for batch in args.batch:
+            with tempfile.TemporaryDirectory(prefix="embedded-writes-") as tmp:
+                results[batch].append(write_all(Path(tmp), corpus, batch, args.dim))
+    print()
+    print("| documents a transaction | write s (each round) | save s | documents/s (best) | vs 1 a transaction |")
+    print("|---|---|---|---|---|")
+    base = None
+    for batch, runs in results.items():
+        best = min(w + s for w, s in runs)
+        rate = args.docs / best
+        base = base or rate
+        print(f"| {batch} | {', '.join(f'{w:.1f}' for w, _ in runs)} | {min(s for _, s in runs):.1f} "
+              f"| {rate:,.0f} | {rate / base:.1f}x |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=50_000)
+    parser.add_argument("--chunks", type=int, default=1, help="chunks a document")
+    parser.add_argument("--words", type=int, default=100, help="words a chunk")
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 256, 4096],
+                        help="documents between flushes (the first row is the peer)")
+    parser.add_argument("--rounds", type=int, default=2)
+    main(parser.parse_args())
