@@ -12,6 +12,14 @@ second overall and per stage (from the ingest summary's own stage clocks), chunk
 per second of the embedder, and the seconds each stage took. Peer in the same run: the embedder
 alone on the same chunk texts (sentence-transformers-free: `Embedder.embed`), which shows how
 much of the wall time the rest of the pipeline adds.
+
+    PYTHONPATH=. .venv/bin/python bench/ingest_stages.py --copies 5 --parse-only --workers 1 2 1 2
+
+`--parse-only` times the parse stage alone over the same corpus, in turn for each `--workers`
+value: 1 parses every source in this process (`parse_whole`, as `ingest_workers = 1` does), N
+hands them to an `ingest.parse_pool.ParsePool` of N processes with at most 256 in flight, results
+taken in the walk's order, as the pipeline does. Each time includes starting the pool and the
+parsers' imports in its processes (the first in-process run pays the import in this process).
 """
 
 from __future__ import annotations
@@ -72,15 +80,54 @@ def embedder_alone(home: Path) -> tuple[int, int, float]:
     return len(texts), tokens, seconds
 
 
+def parse_only(corpus: Path, workers: int, in_flight: int = 256) -> tuple[int, int, float]:
+    """Parse every source under `corpus` with `workers` processes: (sources, failed, seconds)."""
+    from ingest.parse import STREAM_ABOVE_BYTES
+    from ingest.parse_pool import ParsePool, parse_whole
+    from ingest.sources import SourceItem, walk_sources
+
+    items = [i for i in walk_sources([corpus]) if isinstance(i, SourceItem)]
+    started = time.perf_counter()
+    if workers == 1:
+        results = [parse_whole(item, STREAM_ABOVE_BYTES) for item in items]
+    else:
+        pool = ParsePool(workers, STREAM_ABOVE_BYTES)
+        pending: collections.deque = collections.deque()
+        results = []
+        for item in items:
+            pending.append((item, pool.submit(item)))
+            if len(pending) >= in_flight:
+                results.append(pool.result(*pending.popleft()))
+        results.extend(pool.result(*job) for job in pending)
+        pool.close()
+    seconds = time.perf_counter() - started
+    return len(items), sum(isinstance(r, Exception) for r in results), seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--copies", type=int, default=20)
+    parser.add_argument("--parse-only", action="store_true", help="time the parse stage alone")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="with --parse-only: runs, in turn")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ingest-stages-"))
-    print(f"# ingest by stage — {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}, {datetime.date.today()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"# ingest by stage — {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs "
+          f"({len(os.sched_getaffinity(0))} usable), Python {platform.python_version()}, {datetime.date.today()}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     files = make_corpus(work / "corpus", args.copies)
     print("# files: " + ", ".join(f"{n} {suffix}" for suffix, n in sorted(files.items())))
+    if args.parse_only:
+        print("| parse workers | sources | failed | seconds | sources/s | vs first 1-worker run |")
+        print("|---|---|---|---|---|---|")
+        base = None
+        for workers in args.workers:
+            n, failed, seconds = parse_only(work / "corpus", workers)
+            base = base or (seconds if workers == 1 else None)
+            ratio = f"{base / seconds:.2f}x" if base else "-"
+            print(f"| {workers} | {n} | {failed} | {seconds:.1f} | {n / seconds:.1f} | {ratio} |"
+                  f"  (load average {os.getloadavg()[0]:.1f})", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     first, wall = ingest(work / "home", work / "corpus")
     again, wall_again = ingest(work / "home", work / "corpus")
     docs, sec, rates = first["documents"], first["seconds"], first["rates"]

@@ -1,7 +1,8 @@
 """Ingest: walk → (skip unchanged) → parse → chunk → embed (batched) → write; incremental.
 
-Each document is written in its own catalog transaction, so an interrupted run keeps every
-document it finished and the previous version of the one it was on. The catalog is the
+Each document is written whole (a savepoint of the embed batch's transaction in the embedded
+catalog), so an interrupted run keeps every document of the batches it committed and the previous
+version of the others. The catalog is the
 checkpoint: a re-run skips what is done by content hash, so a job killed at any point
 resumes without re-embedding finished documents. A source that fails (corrupt, binary,
 unreadable...) is reported with its reason and leaves its stored version, if any, untouched;
@@ -14,12 +15,15 @@ batch of parsed documents waits for the embedder at a time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +35,7 @@ from ingest.batch_commit import BatchCommitter, CommitCounts, OpenDocument
 from ingest.chunk import Chunker
 from ingest.deletion_guard import DeletionGuard, DeletionRefusal
 from ingest.parse import STREAM_ABOVE_BYTES, document_bytes, is_streamed, parse_item_stream
+from ingest.parse_pool import Parsed, ParsePool, failure_reason, parse_whole
 from ingest.source_names import SourceNamer
 from ingest.sources import (
     COVERS_SOURCE,
@@ -45,7 +50,6 @@ from ingest.sources import (
 from ingest.staging import ChunkStaging
 from ingest.vanished import NOBODY, Holds, restrict, settle_vanished
 from rag.errors import IngestError
-from rag.types import Document, Element
 from retrieval.base import CollectionStore
 from retrieval.records import BuildOutcome, DocumentCounts, DocumentState
 
@@ -64,9 +68,6 @@ T = TypeVar("T")
 DEFAULT_MAX_DOCUMENT_BYTES = 100 * 1024 * 1024
 # A window of parsed documents (whose texts are tokenized together) holds at most this much text.
 WINDOW_TEXT_CHARS = 32 << 20
-
-# A source parsed ahead of its turn: its document and elements, or why it could not be parsed.
-_Parsed = tuple[Document, list[Element]] | Exception
 
 
 @dataclass
@@ -144,7 +145,7 @@ class IngestPipeline:
                  chunker: Chunker, batch_chunks: int = 256, namer: SourceNamer | None = None,
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
-                 stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256) -> None:
+                 stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -164,9 +165,13 @@ class IngestPipeline:
                 of text), whose element texts the chunker tokenizes in one call (`Chunker.precount`);
                 1 parses and tokenizes one source at a time. Sources are still handled, written and
                 reported in the walk's order.
+            workers: processes that parse the sources of the window (`ingest.parse_pool`), at most
+                `chunk_batch` sources in flight beyond the window being handled; 1 parses in this
+                process. Needs `chunk_batch` > 1. Results, problems and rows are the same.
         """
-        assert chunk_batch >= 1
+        assert chunk_batch >= 1 and workers >= 1
         self.chunk_batch = chunk_batch
+        self.workers = workers
         self.max_document_bytes = max_document_bytes
         self.staging_path = staging_path
         self.stream_above_bytes = stream_above_bytes
@@ -241,24 +246,26 @@ class IngestPipeline:
             return (old is None or old.content_hash != item.content_hash) and not self._is_over_cap(item)
 
         walk = _timed(walk_sources(roots, namer=self.namer), clock, "scan")
-        for n, (item, parsed) in enumerate(self._parsed_ahead(walk, wants_parse, clock), 1):
-            is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
-            if is_hold:
-                holds.add(item)  # in every shard: what it covers may be any shard's
-            old = None if is_hold else stored.pop(item.key, None)
-            if not mine(item.key):
-                pass
-            elif isinstance(item, SourceProblem):
-                report.problems.append(Problem(item.key, item.reason))
-                if old is not None:
-                    self._keep(item, old, report, clock)
-            else:
-                self._one(item, old, report, committer, clock, parsed)
-            if progress:
-                progress("ingest", n, max(total, n))
-            self.max_pending_chunks = max(self.max_pending_chunks, committer.waiting)
-            if committer.waiting >= self.batch_chunks:
-                committer.flush()
+        # closing: the parse workers stop also when a write or the embedder fails
+        with contextlib.closing(self._parsed_ahead(walk, wants_parse, clock)) as ahead:
+            for n, (item, parsed) in enumerate(ahead, 1):
+                is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
+                if is_hold:
+                    holds.add(item)  # in every shard: what it covers may be any shard's
+                old = None if is_hold else stored.pop(item.key, None)
+                if not mine(item.key):
+                    pass
+                elif isinstance(item, SourceProblem):
+                    report.problems.append(Problem(item.key, item.reason))
+                    if old is not None:
+                        self._keep(item, old, report, clock)
+                else:
+                    self._one(item, old, report, committer, clock, parsed)
+                if progress:
+                    progress("ingest", n, max(total, n))
+                self.max_pending_chunks = max(self.max_pending_chunks, committer.waiting)
+                if committer.waiting >= self.batch_chunks:
+                    committer.flush()
         committer.flush()
         report.chunks_embedded = committer.counts.chunks_embedded
         report.chunks_resumed = committer.counts.chunks_resumed
@@ -294,41 +301,72 @@ class IngestPipeline:
 
     def _parsed_ahead(self, items: Iterator[SourceItem | SourceProblem],
                       wants_parse: Callable[[SourceItem | SourceProblem], bool],
-                      clock: _Clock) -> Iterator[tuple[SourceItem | SourceProblem, _Parsed | None]]:
+                      clock: _Clock) -> Iterator[tuple[SourceItem | SourceProblem, Parsed | None]]:
         """The items, each with its parse when it was parsed ahead (else None: `_one` parses it).
 
         Windows of up to `chunk_batch` items (and `WINDOW_TEXT_CHARS` of parsed text) are parsed,
         then their texts are tokenized in one call, before the first of them is handed on: only
         one window of parsed documents is held at a time. Streamed (huge text) files are not
-        parsed ahead. With `chunk_batch` 1 nothing is (the one-at-a-time path).
+        parsed ahead. With `chunk_batch` 1 nothing is (the one-at-a-time path). With `workers`
+        > 1, up to `chunk_batch` sources beyond the window are being parsed in worker processes
+        while it is handled; results are taken in the walk's order.
         """
         if self.chunk_batch == 1:
             yield from ((item, None) for item in items)
             return
-        while True:
-            window: list[tuple[SourceItem | SourceProblem, _Parsed | None]] = []
-            chars = 0
-            for item in itertools.islice(items, self.chunk_batch):
-                parsed = None
-                if wants_parse(item) and not is_streamed(item, self.stream_above_bytes):
-                    assert isinstance(item, SourceItem)
-                    with clock("parse"):
-                        parsed = _parse_whole(item, self.stream_above_bytes)
-                    if not isinstance(parsed, Exception):
-                        chars += sum(len(e.text) for e in parsed[1])
-                window.append((item, parsed))
-                if chars >= WINDOW_TEXT_CHARS:
-                    break
-            if not window:
-                return
-            with clock("chunk"):
-                self.chunker.precount(itertools.chain.from_iterable(
-                    [p[0].title or "", *(e.text for e in p[1])] for _, p in window
-                    if p is not None and not isinstance(p, Exception)))
-            yield from window
+        pool = ParsePool(self.workers, self.stream_above_bytes) if self.workers > 1 else None
+        # Sources taken from the walk whose parse is running (a Future), done, or not wanted (None).
+        pending: deque[tuple[SourceItem | SourceProblem, Future[Parsed] | Parsed | None]] = deque()
+        ahead = self.chunk_batch if pool is not None else 1  # in process: parse each when its turn comes
+        walked = False
+        try:
+            while True:
+                window: list[tuple[SourceItem | SourceProblem, Parsed | None]] = []
+                chars = 0
+                while len(window) < self.chunk_batch and chars < WINDOW_TEXT_CHARS:
+                    while not walked and len(pending) < ahead:
+                        item = next(items, None)
+                        if item is None:
+                            walked = True
+                        else:
+                            pending.append((item, self._start_parse(item, wants_parse, pool, clock)))
+                    if not pending:
+                        break
+                    item, job = pending.popleft()
+                    if isinstance(job, Future):
+                        assert pool is not None and isinstance(item, SourceItem)
+                        with clock("parse"):  # the wait for a worker: what parsing adds to the run
+                            job = pool.result(item, job)
+                    if job is not None and not isinstance(job, Exception):
+                        chars += sum(len(e.text) for e in job[1])
+                    window.append((item, job))
+                if not window:
+                    return
+                with clock("chunk"):
+                    self.chunker.precount(itertools.chain.from_iterable(
+                        [p[0].title or "", *(e.text for e in p[1])] for _, p in window
+                        if p is not None and not isinstance(p, Exception)))
+                yield from window
+        finally:
+            if pool is not None:
+                pool.close()
+
+    def _start_parse(self, item: SourceItem | SourceProblem,
+                     wants_parse: Callable[[SourceItem | SourceProblem], bool], pool: ParsePool | None,
+                     clock: _Clock) -> Future[Parsed] | Parsed | None:
+        """Parse `item` ahead: in a worker (a Future), in process (its result), or not (None)."""
+        if not wants_parse(item) or is_streamed(item, self.stream_above_bytes):
+            return None
+        assert isinstance(item, SourceItem)
+        # A JSONL record is split into paragraphs faster than it is sent to a worker and back.
+        job = pool.submit(item) if pool is not None and item.kind == "file" else None
+        if job is not None:
+            return job
+        with clock("parse"):
+            return parse_whole(item, self.stream_above_bytes)
 
     def _one(self, item: SourceItem, old: DocumentState | None, report: IngestReport,
-             committer: BatchCommitter, clock: _Clock, parsed: _Parsed | None = None) -> None:
+             committer: BatchCommitter, clock: _Clock, parsed: Parsed | None = None) -> None:
         if item.acl_error is not None:
             report.acl_errors.append(AclProblem(item.key, item.acl_error))
         if old is not None and widens(old.acl, item.acl):
@@ -384,11 +422,9 @@ class IngestPipeline:
 
     def _failed(self, item: SourceItem, old: DocumentState | None, e: Exception, report: IngestReport,
                 clock: _Clock) -> None:
-        if isinstance(e, IngestError):
-            report.problems.append(Problem(item.key, str(e)))
-        else:  # a parser bug must not end the run; say what it was
+        if not isinstance(e, IngestError):  # a parser bug must not end the run; say what it was
             log.debug("parse failed for %s", item.key, exc_info=e)
-            report.problems.append(Problem(item.key, f"{type(e).__name__}: {e}"))
+        report.problems.append(Problem(item.key, failure_reason(e)))
         self._keep_acl(item, old, clock)
 
     def _over_cap(self, item: SourceItem, report: IngestReport) -> bool:
@@ -411,15 +447,6 @@ class IngestPipeline:
         if old is not None and old.acl != item.acl:
             with clock("write"):
                 restrict(self.store, item.key, item.acl)
-
-
-def _parse_whole(item: SourceItem, stream_above: int) -> _Parsed:
-    """`parse_item_stream` of a source parsed whole, its elements in a list; or the parse error."""
-    try:
-        doc, elements = parse_item_stream(item, stream_above)
-        return doc, list(elements)
-    except Exception as e:  # reported when the source's turn comes, as if it had been parsed then
-        return e
 
 
 def _count_written(entry: OpenDocument, report: IngestReport) -> None:

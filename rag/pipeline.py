@@ -35,7 +35,13 @@ from rag.ingest_lock import exclusive_ingest
 from rag.loop_thread import LoopThread
 from rag.private_files import ensure_private_dir
 from rag.prompts import Prompt, build_prompt, canonical_order, citations_for, select_sources, source_tokens
-from rag.settings import MAX_CANDIDATES, Settings, check_collection_name, check_max_hits_per_document
+from rag.settings import (
+    MAX_CANDIDATES,
+    Settings,
+    check_collection_name,
+    check_max_hits_per_document,
+    ingest_worker_count,
+)
 from rag.source_order import order_sources
 from rag.types import Answer, Hit
 from retrieval.records import BuildSpec
@@ -191,7 +197,8 @@ class Rag:
             batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
             pipeline = IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer,
                                       guard=guard, max_document_bytes=self.settings.max_document_bytes,
-                                      staging_path=staging, chunk_batch=chunk_batch)  # fmt: skip
+                                      staging_path=staging, chunk_batch=chunk_batch,
+                                      workers=ingest_worker_count(self.settings.ingest_workers))  # fmt: skip
             return pipeline.run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:

@@ -13,7 +13,7 @@ import os
 import stat
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     # (the tokenizer's threads work on it); 1 parses and tokenizes one source at a time, as
     # before (bench/ingest_gpu.py --chunk-batch 1 measures that path). The chunks are the same.
     ingest_chunk_batch: int = Field(default=256, ge=1, le=65536)
+    # Processes that parse the sources of `rag ingest` (PDF, DOCX and HTML parsing holds the GIL):
+    # "auto" = the CPUs this process may run on (its affinity mask), at most SLURM_CPUS_PER_TASK
+    # inside a Slurm job; 1 parses in the ingest process itself. Needs ingest_chunk_batch > 1.
+    # See `ingest_worker_count`.
+    ingest_workers: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
     # A mount that vanished looks like every file deleted; 1.0 turns the share check off.
@@ -249,6 +254,25 @@ def check_collection_name(name: str) -> str:
             f"invalid collection name {name!r}: use 1-64 letters, digits, '_', '-' or '.'"
         )
     return name
+
+
+def ingest_worker_count(configured: int | Literal["auto"]) -> int:
+    """Parse processes for `rag ingest`: `configured`, or for "auto" the CPUs this process may use.
+
+    "auto" counts the CPUs in this process's affinity mask (what Slurm, taskset or a cgroup cpuset
+    gave it, not the machine's cores), capped by SLURM_CPUS_PER_TASK when set (a job step may see
+    more CPUs than its task was allocated). 1 parses in process.
+    """
+    if configured != "auto":
+        return configured
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) >= 1:
+        cpus = min(cpus, int(slurm))
+    return max(1, cpus)
 
 
 def load_settings(**overrides: Any) -> Settings:

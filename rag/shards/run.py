@@ -25,7 +25,7 @@ from ingest.source_names import SourceNamer
 from ingest.sources import has_sources, is_under_any, scan_roots
 from rag.errors import ConfigError
 from rag.private_files import private_mkdir
-from rag.settings import check_collection_name
+from rag.settings import check_collection_name, ingest_worker_count
 from rag.shards.layout import COMPLETE, INGESTING, ShardRecord, read_record, shard_dir, write_record
 from retrieval.records import BuildSpec, CollectionInfo, DocumentCounts
 from retrieval.stores.embedded.catalog import Catalog
@@ -159,6 +159,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                                 batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,
                                 chunk_batch=settings.ingest_chunk_batch,
+                                workers=ingest_worker_count(settings.ingest_workers),
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()

@@ -176,7 +176,10 @@ def _assert_same_collection(home: Path, reference: Rag) -> None:
         resumed.close()
 
 
-def test_killed_ingest_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+def test_killed_ingest_resumes_to_the_uninterrupted_result(tmp_path: Path, monkeypatch) -> None:
+    # Catalog rows commit once per embed batch (a transaction of many documents): batches of 16
+    # chunks give the kills below about ten commits to land between.
+    monkeypatch.setenv("RAG_INGEST_BATCH_CHUNKS", "16")  # this process and the `rag` ones
     rng = random.Random(1234)
     corpus = tmp_path / "corpus"
     _write_corpus(corpus, rng)

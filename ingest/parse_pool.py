@@ -1,0 +1,103 @@
+"""Parsing in worker processes: sources of the walk's window parsed at once, results in the walk's order.
+
+PDF, DOCX and HTML parsing is pure Python (pdfminer, lxml, unstructured) and holds the GIL, so
+one process parses one source at a time however many cores the job has. `ParsePool` hands whole
+sources to `workers` processes started with "spawn" (never fork: the parent holds torch and
+tokenizers threads, which a forked child would inherit in whatever state they were). A source that
+fails in a worker comes back as a `ParseFailure` carrying exactly the reason in-process parsing
+would have reported, so problem lists do not depend on where a source was parsed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from ingest.parse import parse_item_stream
+from ingest.sources import SourceItem
+from rag.errors import IngestError
+from rag.types import Document, Element
+
+log = logging.getLogger(__name__)
+
+# A source parsed ahead of its turn: its document and elements, or why it could not be parsed.
+Parsed = tuple[Document, list[Element]] | Exception
+
+
+class ParseFailure(IngestError):
+    """A source that failed in a worker process; its message is the reason as reported in process."""
+
+
+def failure_reason(e: BaseException) -> str:
+    """What a run reports for a source whose parse raised `e` (the same wherever it was parsed)."""
+    if isinstance(e, IngestError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"  # a parser bug must not end the run; say what it was
+
+
+def parse_whole(item: SourceItem, stream_above: int) -> Parsed:
+    """`parse_item_stream` of a source parsed whole, its elements in a list; or the parse error."""
+    try:
+        doc, elements = parse_item_stream(item, stream_above)
+        return doc, list(elements)
+    except Exception as e:  # reported when the source's turn comes, as if it had been parsed then
+        return e
+
+
+def _parse_in_worker(item: SourceItem, stream_above: int) -> Parsed:
+    parsed = parse_whole(item, stream_above)
+    if isinstance(parsed, Exception):
+        # Any exception type may come from a parser, and not every one survives pickling: send the
+        # reason as it would be reported instead.
+        return ParseFailure(failure_reason(parsed))
+    return parsed
+
+
+class ParsePool:
+    """Worker processes that parse whole sources; started on the first `submit`."""
+
+    def __init__(self, workers: int, stream_above: int) -> None:
+        """
+        Args:
+            workers: processes (>= 2; 1 means parse in process, without a pool).
+            stream_above: as `parse_item_stream`; sources above it are not sent here.
+        """
+        assert workers >= 2
+        self.workers = workers
+        self.stream_above = stream_above
+        self._executor: ProcessPoolExecutor | None = None
+        self._broken = False
+
+    def submit(self, item: SourceItem) -> Future[Parsed] | None:
+        """Start parsing `item` in a worker; None when the pool broke (parse it in process then)."""
+        if self._broken:
+            return None
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            return self._executor.submit(_parse_in_worker, item, self.stream_above)
+        except BrokenProcessPool:
+            self._break()
+            return None
+
+    def result(self, item: SourceItem, job: Future[Parsed]) -> Parsed:
+        """The parse of `item`; in process when its worker died (killed for memory, a crashed parser)."""
+        try:
+            return job.result()
+        except BrokenProcessPool:
+            self._break()
+            return parse_whole(item, self.stream_above)
+
+    def close(self) -> None:
+        """Stop the workers (sources not yet handed out are dropped)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def _break(self) -> None:
+        if not self._broken:
+            log.warning("a parse worker process died; parsing the rest of this run in process")
+        self._broken = True
+        self.close()

@@ -1,0 +1,121 @@
+"""Parsing in worker processes (`ingest_workers` > 1) stores exactly what parsing in process stores."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ingest import parse_pool
+from ingest.chunk import Chunker, ChunkingConfig
+from ingest.parse_pool import ParseFailure, failure_reason
+from ingest.pipeline import IngestPipeline
+from rag.errors import ParseError
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
+from tests.ingest.test_chunk_batched import fake_embed
+
+LAB_DOCS = Path(__file__).resolve().parents[2] / "examples" / "lab-docs"
+
+
+def _ingest(corpus: Path, work: Path, tokenizer, workers: int, chunk_batch: int = 8
+            ) -> tuple[list[dict], list[tuple[str, str]], list[tuple[str, str]], IngestPipeline]:
+    """(catalog rows, problems, ACL problems) of one run, all in the order the run made them."""
+    catalog = Catalog(work / f"catalog{workers}.sqlite")
+    info = catalog.create_collection("c", "fake", "fp", 8, ChunkingConfig().as_dict())
+    store = EmbeddedCollection(catalog, info, work / f"indexes{workers}")
+    pipeline = IngestPipeline(store, fake_embed, Chunker(tokenizer, ChunkingConfig()), batch_chunks=16,
+                              chunk_batch=chunk_batch, workers=workers)
+    report = pipeline.run([corpus])
+    rows = [{k: v.tobytes() if isinstance(v, np.ndarray) else v for k, v in r.items()} for r in catalog.dump("c")]
+    catalog.close()
+    problems = [(str(Path(p.key).relative_to(corpus)), p.reason) for p in report.problems]
+    acl = [(str(Path(a.source).relative_to(corpus)), a.error) for a in report.acl_errors]
+    return rows, problems, acl, pipeline
+
+
+def _broken_corpus(root: Path) -> None:
+    """Sources that fail in each way a parser reports: binary, empty, corrupt PDF and DOCX, bad UTF-8."""
+    (root / "broken").mkdir()
+    (root / "broken" / "binary.txt").write_bytes(b"\x00\x01binary\xff" * 50)
+    (root / "broken" / "empty.md").write_text("")
+    (root / "broken" / "corrupt.pdf").write_bytes(b"%PDF-1.4\nnot really a pdf\n")
+    (root / "broken" / "corrupt.docx").write_bytes(b"PK\x03\x04 not a zip")
+    (root / "broken" / "latin1.md").write_bytes("# Caf\xe9\n\nna\xefve text\n".encode("latin-1"))
+    (root / "broken" / "no-acl").mkdir()
+    (root / "broken" / "no-acl" / ".rag-acl.toml").write_text("allow = [")  # unreadable sidecar: fail closed
+    (root / "broken" / "no-acl" / "note.md").write_text("# Note\n\nreadable by nobody until fixed\n")
+
+
+@pytest.mark.slow
+def test_lab_docs_store_the_same_rows_and_problems_with_two_workers(tokenizer, tmp_path) -> None:
+    pytest.importorskip("unstructured")
+    corpus = tmp_path / "corpus"
+    shutil.copytree(LAB_DOCS, corpus)
+    _broken_corpus(corpus)
+    rows1, problems1, acl1, _ = _ingest(corpus, tmp_path, tokenizer, workers=1)
+    rows2, problems2, acl2, _ = _ingest(corpus, tmp_path, tokenizer, workers=2)
+    assert len(rows1) > 50
+    assert rows2 == rows1  # keys, hashes, ACLs, titles, chunk texts, headings, vectors, in key order
+    assert problems2 == problems1  # the same sources, the same reasons, in the walk's order
+    assert acl2 == acl1 and acl1  # the unreadable sidecar: kept readable by nobody, said the same way
+    assert {name.split("/")[0] for name, _ in problems1} == {"broken"}, problems1
+    assert len(problems1) >= 4, problems1
+
+
+def test_two_workers_keep_the_walks_order_and_a_window_in_flight(tokenizer, tmp_path, monkeypatch) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / ".rag-acl.toml").write_text('allow = ["public"]\n')
+    for i in range(30):
+        (corpus / f"d{i:02d}.md").write_text(f"# Doc {i}\n\n" + f"word{i} " * (5 + 7 * i) + "\n")
+    (corpus / "d07x.txt").write_bytes(b"\x00\x01binary\xff" * 50)
+    (corpus / "d21x.md").write_text("")
+    in_flight = [0, 0]  # now, most
+    submit, result = parse_pool.ParsePool.submit, parse_pool.ParsePool.result
+
+    def counted_submit(self, item):
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight[1], in_flight[0])
+        return submit(self, item)
+
+    def counted_result(self, item, job):
+        in_flight[0] -= 1
+        return result(self, item, job)
+
+    monkeypatch.setattr(parse_pool.ParsePool, "submit", counted_submit)
+    monkeypatch.setattr(parse_pool.ParsePool, "result", counted_result)
+    rows1, problems1, _, _ = _ingest(corpus, tmp_path, tokenizer, workers=1, chunk_batch=4)
+    rows2, problems2, _, _ = _ingest(corpus, tmp_path, tokenizer, workers=2, chunk_batch=4)
+    assert rows2 == rows1 and len(rows1) >= 30
+    assert problems2 == problems1 == [("d07x.txt", problems1[0][1]), ("d21x.md", "empty file")], problems1
+    assert in_flight == [0, 4]  # never more than chunk_batch sources handed to the workers at once
+
+
+def test_a_failure_in_a_worker_is_reported_as_in_process() -> None:
+    assert failure_reason(ParseError("corrupt PDF: x")) == "corrupt PDF: x"
+    assert failure_reason(KeyError("y")) == "KeyError: 'y'"
+    # What a worker sends back reads the same, whatever the original exception could pickle.
+    assert failure_reason(ParseFailure(failure_reason(KeyError("y")))) == "KeyError: 'y'"
+
+
+def test_ingest_workers_auto_is_the_affinity_capped_by_slurm(monkeypatch) -> None:
+    from rag.settings import ingest_worker_count, load_settings
+
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    assert ingest_worker_count("auto") == 6
+    assert ingest_worker_count(3) == 3
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    assert ingest_worker_count("auto") == 4
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "64")  # never more than the process may run on
+    assert ingest_worker_count("auto") == 6
+    monkeypatch.setenv("RAG_INGEST_WORKERS", "1")
+    assert load_settings().ingest_workers == 1
+    monkeypatch.setenv("RAG_INGEST_WORKERS", "auto")
+    assert load_settings().ingest_workers == "auto"
+    monkeypatch.setenv("RAG_INGEST_WORKERS", "0")
+    with pytest.raises(Exception, match="ingest_workers"):
+        load_settings()
