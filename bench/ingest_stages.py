@@ -16,10 +16,10 @@ much of the wall time the rest of the pipeline adds.
     PYTHONPATH=. .venv/bin/python bench/ingest_stages.py --copies 5 --parse-only --workers 1 2 1 2
 
 `--parse-only` times the parse stage alone over the same corpus, in turn for each `--workers`
-value: 1 parses every source in this process (`parse_whole`, as `ingest_workers = 1` does), N
-hands them to an `ingest.parse_pool.ParsePool` of N processes with at most 256 in flight, results
-taken in the walk's order, as the pipeline does. Each time includes starting the pool and the
-parsers' imports in its processes (the first in-process run pays the import in this process).
+value, through the pipeline's own parse-ahead (`IngestPipeline._parsed_ahead`, chunking left
+out): 1 parses in this process (`ingest_workers = 1`), N starts a pool of N "spawn" processes as
+each `rag ingest` does. Each time includes starting the pool and the parsers' imports in its
+processes (the first in-process run pays the import in this process; later ones do not).
 """
 
 from __future__ import annotations
@@ -80,28 +80,21 @@ def embedder_alone(home: Path) -> tuple[int, int, float]:
     return len(texts), tokens, seconds
 
 
-def parse_only(corpus: Path, workers: int, in_flight: int = 256) -> tuple[int, int, float]:
-    """Parse every source under `corpus` with `workers` processes: (sources, failed, seconds)."""
-    from ingest.parse import STREAM_ABOVE_BYTES
-    from ingest.parse_pool import ParsePool, parse_whole
+def parse_only(corpus: Path, workers: int) -> tuple[int, int, float]:
+    """The pipeline's parse-ahead (`IngestPipeline._parsed_ahead`, windows of 256) over `corpus` with
+    `workers` processes, chunking left out: (sources, failed, seconds)."""
+    import types
+
+    from ingest.pipeline import IngestPipeline, _Clock
     from ingest.sources import SourceItem, walk_sources
 
-    items = [i for i in walk_sources([corpus]) if isinstance(i, SourceItem)]
+    items = list(walk_sources([corpus]))
+    chunker = types.SimpleNamespace(precount=lambda texts: sum(1 for _ in texts))
+    pipeline = IngestPipeline(None, None, chunker, chunk_batch=256, workers=workers)  # type: ignore[arg-type]
     started = time.perf_counter()
-    if workers == 1:
-        results = [parse_whole(item, STREAM_ABOVE_BYTES) for item in items]
-    else:
-        pool = ParsePool(workers, STREAM_ABOVE_BYTES)
-        pending: collections.deque = collections.deque()
-        results = []
-        for item in items:
-            pending.append((item, pool.submit(item)))
-            if len(pending) >= in_flight:
-                results.append(pool.result(*pending.popleft()))
-        results.extend(pool.result(*job) for job in pending)
-        pool.close()
+    parsed = [p for _, p in pipeline._parsed_ahead(iter(items), lambda i: isinstance(i, SourceItem), _Clock({}))]
     seconds = time.perf_counter() - started
-    return len(items), sum(isinstance(r, Exception) for r in results), seconds
+    return len(parsed), sum(isinstance(p, Exception) for p in parsed), seconds
 
 
 def main() -> None:

@@ -336,7 +336,7 @@ class IngestPipeline:
                     if isinstance(job, Future):
                         assert pool is not None and isinstance(item, SourceItem)
                         with clock("parse"):  # the wait for a worker: what parsing adds to the run
-                            job = pool.result(item, job)
+                            job = self._await(item, job, pending, pool)
                     if job is not None and not isinstance(job, Exception):
                         chars += sum(len(e.text) for e in job[1])
                     window.append((item, job))
@@ -350,6 +350,24 @@ class IngestPipeline:
         finally:
             if pool is not None:
                 pool.close()
+
+    def _await(self, item: SourceItem, job: Future[Parsed],
+               pending: deque[tuple[SourceItem | SourceProblem, Future[Parsed] | Parsed | None]],
+               pool: ParsePool) -> Parsed:
+        """`item`'s parse; meanwhile this process parses the pending sources no worker has started.
+
+        Workers take seconds to start (a fresh interpreter importing the parsers): instead of waiting
+        idle, this process takes sources back from the queue (a cancelled Future was never started)
+        and parses them itself, the same function with the same result.
+        """
+        for i in range(len(pending)):
+            if job.done():
+                break
+            other, other_job = pending[i]
+            if isinstance(other_job, Future) and other_job.cancel():
+                assert isinstance(other, SourceItem)
+                pending[i] = (other, parse_whole(other, self.stream_above_bytes))
+        return pool.result(item, job)
 
     def _start_parse(self, item: SourceItem | SourceProblem,
                      wants_parse: Callable[[SourceItem | SourceProblem], bool], pool: ParsePool | None,
