@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -46,6 +49,18 @@ def parse_whole(item: SourceItem, stream_above: int) -> Parsed:
         return e
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: end this process when the ingest process is gone (killed with SIGKILL, it
+    cannot stop its workers, and a worker blocked on the task queue never sees the queue close)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _parse_in_worker(item: SourceItem, stream_above: int) -> Parsed:
     parsed = parse_whole(item, stream_above)
     if isinstance(parsed, Exception):
@@ -75,7 +90,8 @@ class ParsePool:
         if self._broken:
             return None
         if self._executor is None:
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_exit_with_parent, initargs=(os.getpid(),))
         try:
             return self._executor.submit(_parse_in_worker, item, self.stream_above)
         except BrokenProcessPool:

@@ -121,3 +121,39 @@ def test_ingest_workers_auto_is_the_affinity_capped_by_slurm(monkeypatch) -> Non
     monkeypatch.setenv("RAG_INGEST_WORKERS", "0")
     with pytest.raises(Exception, match="ingest_workers"):
         load_settings()
+
+
+def test_workers_end_when_the_ingest_process_is_killed(tmp_path) -> None:
+    """A `rag ingest` killed with SIGKILL cannot stop its parse workers: they must notice and exit."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "a.md").write_text("# A\n\nsome text\n")
+    script = f"""
+import os, pathlib
+from ingest.parse_pool import ParsePool
+from ingest.sources import SourceItem, walk_sources
+pool = ParsePool(2, 1 << 20)
+item = next(i for i in walk_sources([pathlib.Path({str(tmp_path)!r})]) if isinstance(i, SourceItem))
+pool.result(item, pool.submit(item))
+print(" ".join(str(p) for p in pool._executor._processes), flush=True)
+os.kill(os.getpid(), 9)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    workers = [int(p) for p in done.stdout.split()]
+    assert workers  # started on demand: one for one source
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in workers), "parse workers outlived the killed ingest process"
