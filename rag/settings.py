@@ -256,12 +256,19 @@ def check_collection_name(name: str) -> str:
     return name
 
 
+# ingest_workers="auto" starts a parse pool only with this many CPUs or more (see ingest_worker_count).
+AUTO_POOL_MIN_CPUS = 4
+
+
 def ingest_worker_count(configured: int | Literal["auto"]) -> int:
-    """Parse processes for `rag ingest`: `configured`, or for "auto" the CPUs this process may use.
+    """Parse processes for `rag ingest`: `configured`, or for "auto" one fewer than the CPUs this process may use.
 
     "auto" counts the CPUs in this process's affinity mask (what Slurm, taskset or a cgroup cpuset
     gave it, not the machine's cores), capped by SLURM_CPUS_PER_TASK when set (a job step may see
-    more CPUs than its task was allocated). 1 parses in process.
+    more CPUs than its task was allocated), and leaves one to the ingest process itself (chunking,
+    embedding, writing). Below AUTO_POOL_MIN_CPUS it parses in process: on 2 shared cores two
+    workers parsed 0.6x as fast as one (each spawned worker imports the parsers for seconds;
+    docs/benchmarks.md). 1 parses in process.
     """
     if configured != "auto":
         return configured
@@ -272,7 +279,7 @@ def ingest_worker_count(configured: int | Literal["auto"]) -> int:
     slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
     if slurm.isdigit() and int(slurm) >= 1:
         cpus = min(cpus, int(slurm))
-    return max(1, cpus)
+    return cpus - 1 if cpus >= AUTO_POOL_MIN_CPUS else 1
 
 
 def load_settings(**overrides: Any) -> Settings:

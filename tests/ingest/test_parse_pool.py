@@ -103,17 +103,22 @@ def test_a_failure_in_a_worker_is_reported_as_in_process() -> None:
     assert failure_reason(ParseFailure(failure_reason(KeyError("y")))) == "KeyError: 'y'"
 
 
-def test_ingest_workers_auto_is_the_affinity_capped_by_slurm(monkeypatch) -> None:
+def test_ingest_workers_auto_is_the_affinity_capped_by_slurm_less_one(monkeypatch) -> None:
     from rag.settings import ingest_worker_count, load_settings
 
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
-    assert ingest_worker_count("auto") == 6
+    assert ingest_worker_count("auto") == 5  # one CPU left to the ingest process
     assert ingest_worker_count(3) == 3
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
-    assert ingest_worker_count("auto") == 4
+    assert ingest_worker_count("auto") == 3
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "64")  # never more than the process may run on
-    assert ingest_worker_count("auto") == 6
+    assert ingest_worker_count("auto") == 5
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")  # small: parse in process (a pool was slower there)
+    assert ingest_worker_count("auto") == 1
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert ingest_worker_count("auto") == 1
     monkeypatch.setenv("RAG_INGEST_WORKERS", "1")
     assert load_settings().ingest_workers == 1
     monkeypatch.setenv("RAG_INGEST_WORKERS", "auto")
