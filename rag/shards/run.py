@@ -234,7 +234,9 @@ def _open_shard_store(directory: Path, record: ShardRecord) -> tuple[Catalog, Em
                                          record.chunking)
     # Flat Faiss whatever the collection's kind: the merge reads vectors from the shard's catalog,
     # so an HNSW or IVF index here would be built only to be thrown away.
-    return catalog, EmbeddedCollection(catalog, info, directory / "indexes", "faiss")
+    collection = EmbeddedCollection(catalog, info, directory / "indexes", "faiss")
+    collection.batch_writes = True  # a shard is written by its ingest job only
+    return catalog, collection
 
 
 def _link_models(directory: Path, model_cache: Path) -> None:

@@ -116,8 +116,22 @@ def _committed(path) -> list[tuple[str, int]]:
                             " ON c.document_id = d.id GROUP BY d.id ORDER BY d.key").fetchall()
 
 
-def test_batched_writes_commit_together_at_flush(tmp_path, catalog):
+def _ingest_index(catalog, tmp_path) -> EmbeddedCollection:
+    """The collection as ingest opens it: a batch of documents per catalog transaction."""
     index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index.batch_writes = True
+    return index
+
+
+def test_direct_writes_commit_at_once_so_other_connections_see_them(tmp_path, catalog):
+    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index.replace_document(_doc("a"), frozenset({"public"}), _chunks("a", 2), _vecs(2, 0))
+    assert catalog.batch_documents == 0
+    assert _committed(catalog.path) == [("a", 2)]
+
+
+def test_batched_writes_commit_together_at_flush(tmp_path, catalog):
+    index = _ingest_index(catalog, tmp_path)
     for i, key in enumerate("abc"):
         index.replace_document(_doc(key), frozenset({"public"}), _chunks(key, 2), _vecs(2, i))
     assert catalog.batch_documents == 3
@@ -129,7 +143,7 @@ def test_batched_writes_commit_together_at_flush(tmp_path, catalog):
 
 
 def test_a_failed_document_rolls_back_alone_inside_a_batch(tmp_path, catalog):
-    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index = _ingest_index(catalog, tmp_path)
     index.replace_document(_doc("a", "v1"), frozenset({"public"}), _chunks("a", 2), _vecs(2, 0))
     index.flush()
     index.replace_document(_doc("b"), frozenset({"public"}), _chunks("b", 1), _vecs(1, 1))
@@ -154,6 +168,7 @@ from retrieval.stores.embedded.collection import EmbeddedCollection
 c = Catalog(pathlib.Path({str(path)!r}))
 c.create_collection("docs", "e", "fp", {DIM}, {{}})
 index = EmbeddedCollection(c, c.get_collection("docs"), None)
+index.batch_writes = True
 def write(key, n):
     doc = Document(key=key, source=key, text="", content_hash=key, acl=None, title=key)
     chunks = [Chunk(document_key=key, index=i, text=f"{{key}} {{i}}", num_tokens=1) for i in range(n)]
@@ -171,7 +186,7 @@ os.kill(os.getpid(), 9)
 
 
 def test_other_writes_commit_an_open_batch_first(tmp_path, catalog):
-    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index = _ingest_index(catalog, tmp_path)
     index.replace_document(_doc("a"), frozenset({"public"}), _chunks("a", 1), _vecs(1, 0))
     index.replace_document(_doc("b"), frozenset({"public"}), _chunks("b", 1), _vecs(1, 1))
     index.set_acl("a", frozenset({"user:bob"}))  # an ACL change is never held back in a batch
@@ -189,7 +204,7 @@ def test_a_batch_commits_itself_when_full(tmp_path, catalog, monkeypatch):
     from retrieval.stores.embedded import catalog as catalog_module
 
     monkeypatch.setattr(catalog_module, "BATCH_DOCUMENTS", 2)
-    index = EmbeddedCollection(catalog, catalog.get_collection("docs"), tmp_path / "idx")
+    index = _ingest_index(catalog, tmp_path)
     for i, key in enumerate("abc"):
         index.replace_document(_doc(key), frozenset({"public"}), _chunks(key, 1), _vecs(1, i))
     assert _committed(catalog.path) == [("a", 1), ("b", 1)] and catalog.batch_documents == 1

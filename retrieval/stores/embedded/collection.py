@@ -58,6 +58,10 @@ class EmbeddedCollection:
         self._vectors: VectorIndex = self._empty_store()
         self._queued = _QueuedWrites()
         self.loaded_version = -1
+        # Ingest (open_for_ingest, shard jobs) writes a batch of documents per catalog transaction,
+        # committed by flush(); direct use commits each write, so other threads' connections (the
+        # keyword search, a query) see it at once, as before batching existed.
+        self.batch_writes = False
         # Allowed chunk ids per ACL token, valid for one catalog version: a user's groups are
         # looked up once per change of the collection, not on every query.
         self._allowed_cache: dict[str, np.ndarray] = {}
@@ -138,9 +142,11 @@ class EmbeddedCollection:
 
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None:
-        """Write a document whole (a savepoint), committed with its batch: at `flush`, `save`, the
-        next ACL change or delete, or at `catalog.BATCH_DOCUMENTS` documents."""
-        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors, batched=True)
+        """Write a document whole. With `batch_writes` (ingest) it is a savepoint committed with its
+        batch: at `flush`, `save`, the next ACL change or delete, or at `catalog.BATCH_DOCUMENTS`
+        documents; otherwise its own transaction, committed here."""
+        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors,
+                                                       batched=self.batch_writes)
         self._queued.remove(removed)
         self._queued.add(added, vectors)
         if self._queued.size >= _BULK:

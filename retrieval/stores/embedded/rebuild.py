@@ -32,7 +32,9 @@ class EmbeddedBuild(CollectionBuild):
         self.vector_kind = vector_kind
 
     def _open_build(self) -> CollectionStore:
-        return EmbeddedCollection(self.catalog, self._info, self.index_dir, self.vector_kind)
+        build = EmbeddedCollection(self.catalog, self._info, self.index_dir, self.vector_kind)
+        build.batch_writes = True  # only ingest writes a build
+        return build
 
     def _live_states(self) -> dict[str, DocumentState]:
         return self.catalog.document_states(self.live.name)
@@ -82,13 +84,19 @@ def open_for_ingest(catalog: Catalog, name: str, spec: BuildSpec, index_dir: Pat
     _remove_orphan_files(catalog, name, index_dir)
     if live is None:
         catalog.create_collection(name, spec.embedder, spec.fingerprint, spec.dim, spec.chunking)
-        return open_live()
+        return _batched(open_live())
     if spec.matches(live):
-        return open_live()
+        return _batched(open_live())
     build = resume or catalog.create_collection(
         generation_name(name, live.generation + 1), spec.embedder, spec.fingerprint, spec.dim, spec.chunking,
         generation=live.generation + 1)
     return EmbeddedBuild(catalog, name, live, build, index_dir, vector_kind, open_live)
+
+
+def _batched(collection: EmbeddedCollection) -> EmbeddedCollection:
+    """The collection with ingest's batched catalog writes on (see EmbeddedCollection.batch_writes)."""
+    collection.batch_writes = True
+    return collection
 
 
 def drop_generation(catalog: Catalog, name: str, index_dir: Path | None, vector_kind: str) -> int:
