@@ -209,11 +209,13 @@ def _install() -> None:
     if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
         return
     import ingest.pipeline as pipeline
+    from retrieval.stores.embedded import catalog as embedded_catalog
     from retrieval.stores.pgvector import rebuild
 
-    # pgvector commits a batch of documents per transaction: one per batch here, so that the first
+    # Both stores commit a batch of documents per transaction: one per batch here, so that the first
     # document is stored when the task pauses, as a batch of a big corpus is when a task is killed.
     rebuild.DEFAULT_BATCH_DOCUMENTS = 1
+    embedded_catalog.BATCH_DOCUMENTS = 1
     real = pipeline._count_written
 
     def count_written(entry, report):
