@@ -144,10 +144,9 @@ def main() -> None:
 
     cache = Path(args.cache) if args.cache else Path(tempfile.gettempdir()) / "rag-bench-cache"
     model_dir = resolve_model_dir(None, cache)
-    tok_llm_dir = model_dir
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tok_llm_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     docs = [tok(d, add_special_tokens=False)["input_ids"][: args.max_len] for d in documents(args.docs)]
     docs = [d for d in docs if len(d) > 1]
     prompts = []

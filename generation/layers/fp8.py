@@ -66,13 +66,9 @@ def fp8_weight_only_reference(
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether `device` has FP8 tensor cores that torch._scaled_mm drives (CUDA, compute capability >= 8.9)."""
-    return _has_fp8_cores(device)
-
-
-@functools.cache
-def _has_fp8_cores(device: torch.device) -> bool:
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -144,7 +140,7 @@ def fp8_kernels_serve(device: torch.device) -> bool:
     """FP8 kernels serve this device: FP8 tensor cores, and the Triton kernels importable and switched on."""
     from generation.layers.kernel_choice import triton_fp8_for
 
-    return _has_fp8_cores(device) and triton_fp8_for(device) is not None
+    return scaled_mm_supported(device) and triton_fp8_for(device) is not None
 
 
 def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
