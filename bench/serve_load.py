@@ -139,6 +139,10 @@ def write_settings(home: Path, args, folder: Path) -> None:
         "temperature": 0.0, "request_timeout": 900.0, "max_queued_generations": 1024,
         "answer_mode": "generate",  # a generated answer even from --tiny's model ("auto" quotes below 1B)
     }
+    if args.quantization != "none":
+        lines["engine_quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        lines["engine_kv_cache_dtype"] = args.kv_cache_dtype
     home.mkdir(parents=True, exist_ok=True)
     (home / "rag.toml").write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
 
@@ -510,13 +514,15 @@ async def serve_phase(label: str, home: Path, port: int, env: dict[str, str], ke
 # -- the offline peer ---------------------------------------------------------------------------
 
 def offline_phase(folder: Path, device: str, engine_config: dict, prompts: dict[int, tuple], warmup: list[Item],
-                  levels: list[tuple[int, list[Item]]], output_tokens: int) -> dict:
+                  levels: list[tuple[int, list[Item]]], output_tokens: int, quantization: str | None = None,
+                  kv_cache_dtype: str = "auto") -> dict:
     """The engine alone: `users` requests in flight (a new one added as one finishes), same prompts."""
     from generation import LLM, SamplingParams
 
     llm = LLM(folder, device=device, max_num_seqs=engine_config["max_num_seqs"],
               max_num_batched_tokens=engine_config["max_num_batched_tokens"],
-              num_kv_blocks=engine_config["num_kv_blocks"])
+              num_kv_blocks=engine_config["num_kv_blocks"], quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     out: dict = {"levels": {}, "num_kv_blocks": engine.model_runner.num_kv_blocks}
 
@@ -667,6 +673,9 @@ def main() -> None:
                     help="answers per level for the serialized server (8 at 1 user)")
     ap.add_argument("--zipf", type=float, default=1.0, help="popularity skew of chunks (0 = uniform)")
     ap.add_argument("--phases", default="server,serialized,offline")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="the engine's weights: fp8 quantizes the bf16 model at load (server and offline peer)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache dtype")
     ap.add_argument("--no-stagger", dest="stagger", action="store_false",
                     help="start each level's users together (they then stay in lockstep)")
     ap.add_argument("--folder", default=None, help="model folder to reuse (made when empty)")
@@ -690,6 +699,10 @@ def main() -> None:
     print(f"# {hardware}, torch {torch.__version__}, {started:%Y-%m-%d %H:%M}", flush=True)
     t = time.perf_counter()
     folder, weight_bytes, what = prepare_model(args)
+    if args.quantization != "none":
+        what += f", served as {args.quantization} weights (quantized at load)"
+    if args.kv_cache_dtype != "auto":
+        what += f", {args.kv_cache_dtype} KV cache"
     if args.device == "cuda":
         torch.cuda.empty_cache()
     log(f"model {what}, {weight_bytes / 1e9:.2f} GB in {folder} ({time.perf_counter() - t:.1f} s)")
@@ -758,7 +771,9 @@ def main() -> None:
         if engine_config is None:
             raise SystemExit("the offline phase takes the server's engine config: run a server phase first")
         result["offline"] = offline_phase(folder, args.device, engine_config, prompts, warmup, levels,
-                                          args.output_tokens)
+                                          args.output_tokens,
+                                          None if args.quantization == "none" else args.quantization,
+                                          args.kv_cache_dtype)
         save()
     for phase in ("server", "serialized"):
         lvs = list(result.get(phase, {}).get("levels", {}).values()) + [result.get(phase, {}).get("lockstep8")]

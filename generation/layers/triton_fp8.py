@@ -31,12 +31,19 @@ FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)
 MAX_ROWS = 16
 
-# The bf16 skinny matmul's winners (32 x 128, 6 stages) and the same bytes in flight with 1-byte weights.
+# The bf16 skinny matmul's winners (32 x 128, 6 stages) and the same bytes in flight with 1-byte
+# weights; then deeper K tiles: with half the bytes per element a tile of the bf16 kernel's shape
+# keeps half the bytes in flight, and on the H100 the first four reached only 2.0-2.7 TB/s of 3.1
+# (o_proj's 4,096 columns in 32-wide blocks are one program per SM).
 CANDIDATES = (
     SkinnyConfig(32, 128, 6),
     SkinnyConfig(32, 256, 4),
     SkinnyConfig(16, 256, 4),
     SkinnyConfig(64, 128, 4),
+    SkinnyConfig(16, 512, 4),
+    SkinnyConfig(32, 512, 3),
+    SkinnyConfig(16, 1024, 3),
+    SkinnyConfig(64, 256, 4, 8),
 )
 
 # (N, K) -> the config that beat quantize + _scaled_mm at 1 and MAX_ROWS rows, or None.
