@@ -2,6 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python bench/filtered_search.py            # 100,000 x 384, ~10 min on 2 cores
     PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 20000  # quick look
+    PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 1000000 --stores faiss-ivf,pgvector \
+        --pg-maintenance-mem 5GB --pg-shared-buffers 3GB      # 1M: pgvector + Faiss IVF + exact, ~1-2 h
 
 Data: N random unit vectors (384-d), documents of 10 chunks each, every document in one of
 100 groups. Users hold 50, 10 and 1 groups (50%, 10%, 1% of the corpus). Each store is
@@ -9,21 +11,27 @@ asked for the top k of what the user may read; recall@k is measured against exac
 search in numpy, and the exact search itself (a flat Faiss index with the allow-list as an
 ID selector) is the latency peer.
 
-Stores, each through our own code:
+Stores (`--stores`), each through our own code; the exact peer always runs:
 - faiss-hnsw: the embedded default's catalog (SQLite ACL table -> allow-list) + `HnswIndex`;
   "store only" times the vector search given the allow-list, "with catalog" adds the lookup.
+- faiss-ivf: `IvfIndex` alone (store only, ids 1..N; no catalog), sqrt(N) lists.
 - pgvector: `PgvectorCollection` (HNSW, ACL filter in the WHERE clause, iterative index scan).
 - pgvector, no iterative scan: the same SQL with `hnsw.iterative_scan = off`, to show why
   it matters: the index hands back its ef_search nearest rows and the filter then drops most.
 
 Random isotropic vectors are the hard case for graph indexes (real embeddings cluster), so
 the search widths here are higher than a sample corpus needs.
+
+Memory stays bounded at 1M: the vectors are drawn in batches (same random stream as one
+draw), exact recall is computed over row chunks, pgvector is loaded a batch of documents per
+transaction (binary COPY), and the Faiss indexes are freed before PostgreSQL builds its graph.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import os
 import platform
@@ -40,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag.types import Chunk, Document  # noqa: E402
 from retrieval.stores.embedded.catalog import Catalog  # noqa: E402
 from retrieval.stores.embedded.collection import EmbeddedCollection  # noqa: E402
+from retrieval.vectors.faiss_ann import IvfIndex  # noqa: E402
 from retrieval.vectors.faiss_flat import FlatIndex  # noqa: E402
 
 GROUPS = 100
@@ -58,15 +67,43 @@ def make_data(n: int, dim: int, seed: int = 0):
     topics = rng.standard_normal((1000, dim)).astype(np.float32)
     topics /= np.linalg.norm(topics, axis=1, keepdims=True)
 
-    def draw(m: int) -> np.ndarray:
-        v = rng.standard_normal((m, dim)).astype(np.float32)
+    def draw(m: int, batch: int = 100_000) -> np.ndarray:
+        # float64 noise drawn batch by batch continues one stream, so the data are one big draw's
+        # (earlier runs' figures stay comparable; equal to float32 rounding, < 1e-7) without an
+        # N x dim float64 temporary.
+        v = np.empty((m, dim), dtype=np.float32)
+        for s in range(0, m, batch):
+            v[s:s + batch] = rng.standard_normal((min(batch, m - s), dim))
         if args.data == "clustered":  # queries come from the same topics as the corpus
-            v = topics[rng.integers(0, len(topics), size=m)] + v / np.sqrt(dim)
-        return v / np.linalg.norm(v, axis=1, keepdims=True)
+            pick = rng.integers(0, len(topics), size=m)
+            for s in range(0, m, batch):
+                v[s:s + batch] = topics[pick[s:s + batch]] + v[s:s + batch] / np.sqrt(dim)
+        for s in range(0, m, batch):
+            v[s:s + batch] /= np.linalg.norm(v[s:s + batch], axis=1, keepdims=True)
+        return v
 
     vecs = draw(n)
     doc_group = rng.integers(0, GROUPS, size=n // CHUNKS_PER_DOC)
     return vecs, doc_group, draw(args.queries)
+
+
+def exact_truth(vecs: np.ndarray, chunk_group: np.ndarray, queries: np.ndarray, users: dict[str, list[str]],
+                ids: np.ndarray, k: int, chunk: int = 65_536) -> dict[str, list[set[int]]]:
+    """Exact filtered top k of every query for every user, over row chunks (no N-row score arrays)."""
+    groups = {share: [int(tok.split(":g")[1]) for tok in tokens] for share, tokens in users.items()}
+    best = {share: (np.full((len(queries), 0), -np.inf, np.float32), np.empty((len(queries), 0), np.int64))
+            for share in users}
+    for s in range(0, len(vecs), chunk):
+        scores = queries @ vecs[s:s + chunk].T  # (queries, rows)
+        for share, gs in groups.items():
+            cols = np.flatnonzero(np.isin(chunk_group[s:s + chunk], gs))
+            top_s = np.concatenate([best[share][0], scores[:, cols]], axis=1)
+            top_i = np.concatenate([best[share][1], np.broadcast_to(ids[s + cols], (len(queries), len(cols)))], axis=1)
+            if top_s.shape[1] > k:
+                keep = np.argpartition(-top_s, k - 1, axis=1)[:, :k]
+                top_s, top_i = np.take_along_axis(top_s, keep, 1), np.take_along_axis(top_i, keep, 1)
+            best[share] = (top_s, top_i)
+    return {share: [set(row.tolist()) for row in top_i] for share, (_, top_i) in best.items()}
 
 
 def documents(vecs: np.ndarray, doc_group: np.ndarray):
@@ -119,49 +156,74 @@ def summary(results, truth, lat, k):
 
 
 def main() -> None:
+    stores = set(args.stores.split(","))
+    if args.no_pg:
+        stores.discard("pgvector")
+    if unknown := stores - {"faiss-hnsw", "faiss-ivf", "pgvector"}:
+        raise SystemExit(f"unknown --stores {sorted(unknown)}: choose from faiss-hnsw, faiss-ivf, pgvector")
+    started = time.perf_counter()
     vecs, doc_group, queries = make_data(args.n, args.dim)
     chunk_group = np.repeat(doc_group, CHUNKS_PER_DOC)
     users = {share: [f"group:g{g}" for g in range(n)] for share, n in SHARES.items()}
     print(f"# filtered search: {args.n:,} x {args.dim} random unit vectors ({args.data}), {GROUPS} groups, k={args.k}, "
-          f"{args.queries} queries per user")
+          f"{args.queries} queries per user; stores: exact, {', '.join(sorted(stores))}")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{datetime.date.today().isoformat()}")
+          f"{datetime.date.today().isoformat()}; data in {time.perf_counter() - started:.0f} s", flush=True)
     rows = []
     work = Path(tempfile.mkdtemp(prefix="rag-bench-"))
 
     # -- the embedded default: catalog + HNSW -------------------------------------------
-    t = time.perf_counter()
-    catalog = Catalog(work / "catalog.sqlite")
-    info = catalog.create_collection("bench", "random", "random", args.dim, {})
-    index = EmbeddedCollection(catalog, info, None, "faiss-hnsw")
-    index.store.ef_search = args.faiss_ef
-    for doc, acl, chunks, rows_ in documents(vecs, doc_group):
-        index.replace_document(doc, acl, chunks, rows_)
-    index.store.sync()  # graph inserts are batched until the first search; build it before timing
-    print(f"# faiss-hnsw built in {time.perf_counter() - t:.0f} s (catalog writes + graph, M=32, efC=80)")
-    ids, _ = catalog.vectors("bench")  # catalog chunk ids, in insertion order
+    index = None
+    ids = np.arange(1, args.n + 1, dtype=np.int64)  # store-only ids when no catalog numbers them
+    if "faiss-hnsw" in stores:
+        t = time.perf_counter()
+        catalog = Catalog(work / "catalog.sqlite")
+        info = catalog.create_collection("bench", "random", "random", args.dim, {})
+        index = EmbeddedCollection(catalog, info, None, "faiss-hnsw")
+        index.vectors.ef_search = args.faiss_ef
+        for doc, acl, chunks, rows_ in documents(vecs, doc_group):
+            index.replace_document(doc, acl, chunks, rows_)
+        index.vectors.sync()  # graph inserts are batched until the first search; build it before timing
+        print(f"# faiss-hnsw built in {time.perf_counter() - t:.0f} s (catalog writes + graph, M=32, efC=80)",
+              flush=True)
+        ids, _ = catalog.vectors("bench")  # catalog chunk ids, in insertion order
+    ivf = None
+    if "faiss-ivf" in stores:
+        t = time.perf_counter()
+        ivf = IvfIndex(args.dim)
+        ivf.add(ids, vecs)
+        print(f"# faiss-ivf built in {time.perf_counter() - t:.0f} s (k-means + fill, {ivf.index.nlist} lists, "
+              f"exact below {ivf.exact_below:,} readable)", flush=True)
     flat = FlatIndex(args.dim)
     flat.add(ids, vecs)
 
-    truth: dict[str, list[set[int]]] = {}
+    t = time.perf_counter()
+    truth = exact_truth(vecs, chunk_group, queries, users, ids, args.k)
+    print(f"# exact filtered top {args.k} (numpy, in row chunks) in {time.perf_counter() - t:.0f} s", flush=True)
     for share, tokens in users.items():
-        mask = np.isin(chunk_group, [int(tok.split(":g")[1]) for tok in tokens])
-        allowed = ids[mask]
-        sub = vecs[mask]
-        truth[share] = [set(allowed[np.argsort(-(sub @ q), kind="stable")[:args.k]].tolist()) for q in queries]
+        allowed = ids[np.isin(chunk_group, [int(tok.split(":g")[1]) for tok in tokens])]
         # exact peer: flat Faiss with the allow-list as an ID selector
         res, lat = timed(lambda q, a=allowed: flat.search(q, args.k, a), queries)
         exact = summary(res, truth[share], lat, args.k)
         rows.append(("exact (faiss flat + selector)", share, *exact))
-        res, lat, paths = timed_paths(index.store, lambda q, a=allowed: index.store.search(q, args.k, a), queries)
-        rows.append((f"faiss-hnsw, store only ({path_note(res, truth[share], paths)})", share,
-                     *summary(res, truth[share], lat, args.k), exact[1]))
-        res, lat, paths = timed_paths(index.store, lambda q, tk=tokens: index.search(q, args.k, tk), queries)
-        rows.append((f"faiss-hnsw, with catalog ACL ({path_note(res, truth[share], paths)})", share,
-                     *summary(res, truth[share], lat, args.k), exact[1]))
+        if ivf is not None:
+            res, lat, paths = timed_paths(ivf, lambda q, a=allowed: ivf.search(q, args.k, a), queries)
+            rows.append((f"faiss-ivf, store only ({path_note(res, truth[share], paths)})", share,
+                         *summary(res, truth[share], lat, args.k), exact[1]))
+        if index is not None:
+            res, lat, paths = timed_paths(index.vectors, lambda q, a=allowed: index.vectors.search(q, args.k, a), queries)
+            rows.append((f"faiss-hnsw, store only ({path_note(res, truth[share], paths)})", share,
+                         *summary(res, truth[share], lat, args.k), exact[1]))
+            res, lat, paths = timed_paths(index.vectors, lambda q, tk=tokens: index.search(q, args.k, tk), queries)
+            rows.append((f"faiss-hnsw, with catalog ACL ({path_note(res, truth[share], paths)})", share,
+                         *summary(res, truth[share], lat, args.k), exact[1]))
+        print(f"# {share}: faiss rows done", flush=True)
 
     # -- pgvector ---------------------------------------------------------------------
-    if not args.no_pg:
+    if "pgvector" in stores:
+        # Free the Faiss copies of the vectors first: PostgreSQL's graph build wants the memory.
+        del flat, ivf, index
+        gc.collect()
         pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows)
 
     print()
@@ -170,6 +232,7 @@ def main() -> None:
     for name, share, recall, p50, p99, short, *peer in rows:
         ratio = f"{p50 / peer[0]:.2f}x" if peer else "1.00x"
         print(f"| {name} | {share} | {recall:.3f} | {p50:.2f} | {p99:.2f} | {short} | {ratio} |")
+    print(f"# total {time.perf_counter() - started:.0f} s")
 
 
 def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
@@ -184,11 +247,13 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
     if dsn is None:
         server = LocalPostgres(work / "postgres", server_options={
             "fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
-            "maintenance_work_mem": "2GB", "shared_buffers": "1GB", "max_parallel_maintenance_workers": "2"})
+            "maintenance_work_mem": args.pg_maintenance_mem, "shared_buffers": args.pg_shared_buffers,
+            "max_parallel_maintenance_workers": "2"})
         dsn = server.start()
     try:
+        # A batch of documents per transaction (binary COPY of the chunks), as ingest writes.
         coll = create_collection(dsn, "bench", "random", "random", args.dim, {}, ef_search=args.pg_ef,
-                                 max_scan_tuples=args.pg_max_scan)
+                                 max_scan_tuples=args.pg_max_scan, batch_documents=args.pg_batch)
         t = time.perf_counter()
         with psycopg.connect(dsn, autocommit=True) as conn:
             name = hnsw_index_name("bench")
@@ -196,11 +261,19 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
             conn.execute(f'DROP INDEX "{name}"')  # bulk load first, then build the graph once
             for doc, acl, chunks, rows_ in documents(vecs, doc_group):
                 coll.replace_document(doc, acl, chunks, rows_)
+            coll.flush()
             loaded = time.perf_counter()
+            print(f"# pgvector loaded in {loaded - t:.0f} s ({args.pg_batch} documents per transaction); "
+                  f"building HNSW (maintenance_work_mem {args.pg_maintenance_mem})", flush=True)
+            # pgvector says (a NOTICE) when the graph outgrows maintenance_work_mem and the build slows.
+            conn.add_notice_handler(lambda d: print(f"# postgres notice: {d.message_primary}", flush=True))
             conn.execute(indexdef)
             conn.execute("ANALYZE rag_chunks")
+            size = conn.execute("SELECT pg_size_pretty(pg_relation_size(%s::regclass)), "
+                                "pg_size_pretty(pg_table_size('rag_chunks'))", (name,)).fetchone()
         print(f"# pgvector loaded in {loaded - t:.0f} s, HNSW built in {time.perf_counter() - loaded:.0f} s "
-              f"(ef_search {args.pg_ef}, max_scan_tuples {args.pg_max_scan})")
+              f"(index {size[0]}, table {size[1]}; ef_search {args.pg_ef}, max_scan_tuples {args.pg_max_scan})",
+              flush=True)
         # our catalog ids -> pgvector ids (deterministic per document key and chunk index)
         pg_id = {int(i): chunk_id("bench", f"doc{n // CHUNKS_PER_DOC:06d}", n % CHUNKS_PER_DOC)
                  for n, i in enumerate(ids)}
@@ -222,6 +295,7 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
                     s, {"q": q, "tokens": tk, "k": args.k}).fetchall(), queries)
             rows.append(("pgvector HNSW, no iterative scan", share, *summary(res, pg_truth, lat, args.k),
                          exact_p50[share]))
+            print(f"# {share}: pgvector rows done", flush=True)
         coll.close()
     finally:
         if server is not None:
@@ -240,6 +314,12 @@ if __name__ == "__main__":
     parser.add_argument("--pg-ef", type=int, default=100, help="pgvector hnsw.ef_search")
     parser.add_argument("--pg-max-scan", type=int, default=20_000, help="pgvector hnsw.max_scan_tuples")
     parser.add_argument("--dsn", help="an existing PostgreSQL with pgvector (default: a throwaway local one)")
-    parser.add_argument("--no-pg", action="store_true", help="Faiss only")
+    parser.add_argument("--stores", default="faiss-hnsw,pgvector",
+                        help="comma list of faiss-hnsw, faiss-ivf, pgvector (the exact peer always runs)")
+    parser.add_argument("--no-pg", action="store_true", help="Faiss only (drops pgvector from --stores)")
+    parser.add_argument("--pg-batch", type=int, default=256, help="pgvector documents per write transaction")
+    parser.add_argument("--pg-maintenance-mem", default="2GB",
+                        help="the throwaway server's maintenance_work_mem (the HNSW build; keep the graph in it)")
+    parser.add_argument("--pg-shared-buffers", default="1GB", help="the throwaway server's shared_buffers")
     args = parser.parse_args()
     main()
