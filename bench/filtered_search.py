@@ -211,10 +211,11 @@ def main() -> None:
             rows.append((f"faiss-ivf, store only ({path_note(res, truth[share], paths)})", share,
                          *summary(res, truth[share], lat, args.k), exact[1]))
         if index is not None:
-            res, lat, paths = timed_paths(index.vectors, lambda q, a=allowed: index.vectors.search(q, args.k, a), queries)
+            store = index.vectors
+            res, lat, paths = timed_paths(store, lambda q, a=allowed, s=store: s.search(q, args.k, a), queries)
             rows.append((f"faiss-hnsw, store only ({path_note(res, truth[share], paths)})", share,
                          *summary(res, truth[share], lat, args.k), exact[1]))
-            res, lat, paths = timed_paths(index.vectors, lambda q, tk=tokens: index.search(q, args.k, tk), queries)
+            res, lat, paths = timed_paths(store, lambda q, tk=tokens: index.search(q, args.k, tk), queries)
             rows.append((f"faiss-hnsw, with catalog ACL ({path_note(res, truth[share], paths)})", share,
                          *summary(res, truth[share], lat, args.k), exact[1]))
         print(f"# {share}: faiss rows done", flush=True)
