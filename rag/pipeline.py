@@ -49,7 +49,6 @@ from retrieval.retriever import Retriever, check_mode
 from retrieval.second_chunks import reading_parts, with_second_chunks
 from retrieval.stores import CollectionStores
 from retrieval.stores.embedded.catalog import Catalog
-from retrieval.vectors import set_faiss_gpu
 
 if TYPE_CHECKING:
     from ingest.embed.embedder import Embedder
@@ -69,8 +68,10 @@ class Rag:
         self.catalog = Catalog(settings.catalog_path)
         # The data directory's SQLite, or with store = pgvector the database every replica shares.
         self.identity = open_identity(settings, lambda: self.dsn)
-        set_faiss_gpu(settings.faiss_gpu)  # "on" without faiss-gpu fails here, with the install hint
-        self.stores = CollectionStores(settings.store, lambda: self.catalog, settings.index_dir, lambda: self.dsn)
+        # faiss_gpu "on" without faiss-gpu fails here, with the install hint; the setting is this
+        # Rag's own (another Rag in the process may choose otherwise).
+        self.stores = CollectionStores(settings.store, lambda: self.catalog, settings.index_dir, lambda: self.dsn,
+                                       faiss_gpu=settings.faiss_gpu)
 
     async def aclose_generator(self) -> None:
         """Stop the generator from the event loop that used it (the API's lifespan calls this)."""

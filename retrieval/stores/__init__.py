@@ -18,12 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from retrieval.vectors import VECTOR_INDEX_KINDS
+from retrieval.vectors import FAISS_GPU_MODES, VECTOR_INDEX_KINDS
 
 if TYPE_CHECKING:
     from retrieval.base import CollectionStore
     from retrieval.records import BuildSpec
     from retrieval.stores.embedded.catalog import Catalog
+    from retrieval.vectors.faiss_gpu import GpuPlacement
 
 PGVECTOR = "pgvector"
 BACKENDS = (*VECTOR_INDEX_KINDS, PGVECTOR)  # the values of the `store` setting
@@ -38,16 +39,36 @@ class CollectionStores:
         index_dir: where the embedded backend keeps its vector index files (None: in memory).
         dsn: the PostgreSQL URL (called only when pgvector is used: it may start nothing, or fail
             with a message saying how to configure one).
+        faiss_gpu: the `faiss_gpu` setting ("auto", "off", "on"): whether this set's "faiss-ivf"
+            indexes, live and rebuilt, build and search on a GPU; or a `GpuPlacement` to use as is
+            (a chosen device; tests pass a CPU stand-in). Each set holds its own, so two in one
+            process (two `Rag` objects in a notebook) never change each other's.
+
+    Raises:
+        ValueError: an unknown `faiss_gpu` mode.
+        ConfigError: `faiss_gpu` "on" where Faiss sees no GPU (the message says what to install).
     """
 
     def __init__(self, kind: str, catalog: Callable[[], Catalog], index_dir: Path | None,
-                 dsn: Callable[[], str]) -> None:
+                 dsn: Callable[[], str], faiss_gpu: str | GpuPlacement = "off") -> None:
         self.kind = kind
         self._catalog = catalog
         self._index_dir = index_dir
         self._dsn = dsn
         self._live: dict[str, CollectionStore] = {}
         self._lock = threading.Lock()
+        self._faiss_gpu = faiss_gpu
+        self._placement: GpuPlacement | None = None
+        self._placement_resolved = not isinstance(faiss_gpu, str)
+        if isinstance(faiss_gpu, str):
+            if faiss_gpu not in FAISS_GPU_MODES:
+                raise ValueError(f"faiss_gpu must be one of {', '.join(FAISS_GPU_MODES)}, got {faiss_gpu!r}")
+            if faiss_gpu == "on":  # fail at startup, not at the first large build (loads Faiss only here)
+                from retrieval.vectors.faiss_gpu import check_gpu
+
+                check_gpu(faiss_gpu)
+        else:
+            self._placement = faiss_gpu
 
     @property
     def is_pgvector(self) -> bool:
@@ -78,7 +99,7 @@ class CollectionStores:
             from retrieval.stores.embedded.rebuild import open_for_ingest
 
             return open_for_ingest(self._catalog(), name, spec, self._index_dir, self.kind,
-                                   lambda: self._open_live(name))
+                                   lambda: self._open_live(name), self._gpu())
 
     def unavailable(self) -> str | None:
         """Why a query could not reach the store now, or None: pgvector asks its server (a connection
@@ -120,5 +141,21 @@ class CollectionStores:
 
                 catalog = self._catalog()
                 self._live[name] = EmbeddedCollection(catalog, catalog.get_collection(name), self._index_dir,
-                                                      self.kind)
+                                                      self.kind, gpu=self._gpu())
         return self._live[name]
+
+    def _gpu(self) -> GpuPlacement | None:
+        """Where this set's "faiss-ivf" indexes build and search (None: the CPU); under the lock.
+
+        Resolved at the first "faiss-ivf" collection opened, so a set of another kind never loads
+        Faiss' GPU side, and all of this set's collections share one `FaissGpu` (its GPU memory).
+        """
+        if self.kind != "faiss-ivf":
+            return None
+        if not self._placement_resolved:
+            from retrieval.vectors.faiss_gpu import resolve_placement
+
+            assert isinstance(self._faiss_gpu, str)
+            self._placement = resolve_placement(self._faiss_gpu)
+            self._placement_resolved = True
+        return self._placement

@@ -17,20 +17,26 @@ may read k chunks gets k.
 
 `Device` is the seam: `FaissGpu` is the real one; the contract suite runs `SelectorlessCpu`, a CPU
 IVF replica that refuses `params.sel`, so the over-fetch/deepen/fallback path is tested without a GPU.
+A `GpuPlacement` (a device and the size from which a collection uses it) is what the stores pass
+down to the "faiss-ivf" indexes they make or load (`retrieval.stores.CollectionStores` resolves the
+`faiss_gpu` setting into one), so each store honours the setting it was given.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import faiss
 import numpy as np
 
 from rag.errors import ConfigError
+from retrieval.vectors import FAISS_GPU_MODES
 from retrieval.vectors.faiss_ann import EXACT_BELOW, IvfIndex
 
-FAISS_GPU_MODES = ("auto", "off", "on")
+__all__ = ["FAISS_GPU_MODES", "Device", "FaissGpu", "GpuIvfIndex", "GpuPlacement", "SelectorlessCpu",
+           "check_gpu", "gpu_available", "resolve_placement"]
 # "auto" uses the GPU from this many live rows on: below it a CPU IVF search takes a few ms and the
 # copy to the device (and its memory) does not pay.
 AUTO_MIN_ROWS = 1_000_000
@@ -131,8 +137,21 @@ def _cuvs_filters() -> bool:
     return "CUVS" in faiss.get_compile_options().upper() and version >= (1, 14, 2)
 
 
-def resolve_device(mode: str) -> Device | None:
-    """The device for the `faiss_gpu` setting: None for "off" (and "auto" without a GPU).
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Where a "faiss-ivf" index builds and searches: on `device` once a collection holds `min_rows` live rows."""
+
+    device: Device
+    min_rows: int = AUTO_MIN_ROWS
+
+    def __post_init__(self) -> None:
+        if self.min_rows < 0:
+            raise ValueError(f"min_rows must be >= 0, got {self.min_rows}")
+
+
+def check_gpu(mode: str) -> None:
+    """Check a `faiss_gpu` mode without touching a GPU: "on" must have one (fail at startup, not at the
+    first large build).
 
     Raises:
         ValueError: for a mode outside FAISS_GPU_MODES.
@@ -140,9 +159,23 @@ def resolve_device(mode: str) -> Device | None:
     """
     if mode not in FAISS_GPU_MODES:
         raise ValueError(f"faiss_gpu must be one of {', '.join(FAISS_GPU_MODES)}, got {mode!r}")
+    if mode == "on" and not gpu_available():
+        raise ConfigError(f"faiss_gpu = \"on\" but this Faiss ({faiss.__version__}) sees no GPU; {INSTALL_HINT}")
+
+
+def resolve_placement(mode: str) -> GpuPlacement | None:
+    """The placement for the `faiss_gpu` setting: None for "off" (and "auto" without a GPU).
+
+    Makes a `FaissGpu` (its `StandardGpuResources`) for "on" and for "auto" with a GPU: call it
+    once per store set and share the result among its collections.
+
+    Raises:
+        ValueError, ConfigError: as `check_gpu`.
+    """
+    check_gpu(mode)
     if mode == "off" or (mode == "auto" and not gpu_available()):
         return None
-    return FaissGpu()
+    return GpuPlacement(FaissGpu())
 
 
 class GpuIvfIndex(IvfIndex):

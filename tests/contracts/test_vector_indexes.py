@@ -5,7 +5,8 @@ searched exactly) and with `exact_below=0` ("...:approx"), so that the graph and
 inverted lists themselves are searched. "faiss-ivf-gpu" is the GPU IVF index
 (`retrieval.vectors.faiss_gpu.GpuIvfIndex`) on a CPU stand-in with the classic GPU indexes'
 limitation (a replica that refuses an ID selector), its device path on from the first row, so
-its over-fetch, deepening and CPU fallback answer here; the real GPU runs in
+its over-fetch, deepening and CPU fallback answer here; it is made the way stores make it, by
+`make_vector_index("faiss-ivf", gpu=GpuPlacement(...))`; the real GPU runs in
 tests/retrieval/test_faiss_gpu.py (`-m gpu`). Approximate answers are held to recall against the
 reference instead of equality, and never to anything outside the allow-list.
 """
@@ -18,7 +19,7 @@ import pytest
 from rag.errors import StoreError
 from retrieval.vectors import make_vector_index
 from retrieval.vectors.faiss_flat import FlatIndex
-from retrieval.vectors.faiss_gpu import GpuIvfIndex, SelectorlessCpu
+from retrieval.vectors.faiss_gpu import GpuIvfIndex, GpuPlacement, SelectorlessCpu
 from retrieval.vectors.memory import MemoryIndex
 
 DIM = 16
@@ -35,10 +36,12 @@ def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
 @pytest.fixture(params=KINDS)
 def store(request):
     kind, _, mode = request.param.partition(":")
+    exact_below = 0 if mode == "approx" else None
     if kind == "faiss-ivf-gpu":  # the device path from the first row (min_rows=0)
-        extra = {"exact_below": 0} if mode == "approx" else {}
-        return GpuIvfIndex(DIM, SelectorlessCpu(), min_rows=0, **extra)
-    return make_vector_index(kind, DIM, exact_below=0 if mode == "approx" else None)
+        store = make_vector_index("faiss-ivf", DIM, exact_below, gpu=GpuPlacement(SelectorlessCpu(), min_rows=0))
+        assert isinstance(store, GpuIvfIndex)
+        return store
+    return make_vector_index(kind, DIM, exact_below=exact_below)
 
 
 def _is_approximate(store) -> bool:

@@ -20,6 +20,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,9 @@ from retrieval.base import VectorIndex
 from retrieval.records import ChunkRecord, CollectionInfo, DocumentState
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.vectors import load_vector_index, make_vector_index
+
+if TYPE_CHECKING:
+    from retrieval.vectors.faiss_gpu import GpuPlacement
 
 # Index file suffix per vector store kind ("faiss" keeps the name older data dirs used).
 _SUFFIX = {"faiss": "faiss", "faiss-hnsw": "hnsw", "faiss-ivf": "ivf"}
@@ -48,13 +52,16 @@ class EmbeddedCollection:
     notice: str | None = None  # a plain collection, not a rebuild (see retrieval.base.CollectionStore)
 
     def __init__(self, catalog: Catalog, info: CollectionInfo, index_dir: Path | None,
-                 vector_kind: str = "faiss", exact_below: int | None = None) -> None:
-        """`exact_below` goes to the approximate stores (see `retrieval.stores.make_vector_index`)."""
+                 vector_kind: str = "faiss", exact_below: int | None = None,
+                 gpu: GpuPlacement | None = None) -> None:
+        """`exact_below` goes to the approximate stores, `gpu` to a "faiss-ivf" one, whether made
+        empty or loaded from its file (see `retrieval.vectors.make_vector_index`)."""
         self.catalog = catalog
         self.info = info
         self.index_dir = index_dir
         self.vector_kind = vector_kind
         self.exact_below = exact_below
+        self.gpu = gpu
         self._vectors: VectorIndex = self._empty_store()
         self._queued = _QueuedWrites()
         self.loaded_version = -1
@@ -94,7 +101,7 @@ class EmbeddedCollection:
         store = None
         if path is not None and path.exists():
             try:
-                store = load_vector_index(self.vector_kind, path, info.dim, self.exact_below)
+                store = load_vector_index(self.vector_kind, path, info.dim, self.exact_below, self.gpu)
                 log.debug("loaded %s", path)
             except StoreError as e:  # a damaged cache file: the catalog has everything
                 log.warning("%s; rebuilding the index of %r from the catalog", e, self.name)
@@ -209,7 +216,7 @@ class EmbeddedCollection:
     # -- internals -------------------------------------------------------------------------
 
     def _empty_store(self) -> VectorIndex:
-        return make_vector_index(self.vector_kind, self.info.dim, self.exact_below)
+        return make_vector_index(self.vector_kind, self.info.dim, self.exact_below, self.gpu)
 
     def _path(self, version: int) -> Path | None:
         if self.index_dir is None or self.vector_kind not in _SUFFIX:

@@ -11,12 +11,16 @@ import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from retrieval.base import CollectionStore
 from retrieval.rebuild import CollectionBuild
 from retrieval.records import BuildOutcome, BuildSpec, CollectionInfo, DocumentState, describe, generation_name
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.stores.embedded.collection import EmbeddedCollection, move_index_file, remove_index_files
+
+if TYPE_CHECKING:
+    from retrieval.vectors.faiss_gpu import GpuPlacement
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +29,16 @@ class EmbeddedBuild(CollectionBuild):
     """The next generation of an embedded collection (see `retrieval.rebuild.CollectionBuild`)."""
 
     def __init__(self, catalog: Catalog, name: str, live: CollectionInfo, build: CollectionInfo,
-                 index_dir: Path | None, vector_kind: str, open_live: Callable[[], CollectionStore]) -> None:
+                 index_dir: Path | None, vector_kind: str, open_live: Callable[[], CollectionStore],
+                 gpu: GpuPlacement | None = None) -> None:
         super().__init__(name, live, build, open_live)
         self.catalog = catalog
         self.index_dir = index_dir
         self.vector_kind = vector_kind
+        self.gpu = gpu  # a rebuild builds its "faiss-ivf" index where the live one is searched
 
     def _open_build(self) -> CollectionStore:
-        build = EmbeddedCollection(self.catalog, self._info, self.index_dir, self.vector_kind)
+        build = EmbeddedCollection(self.catalog, self._info, self.index_dir, self.vector_kind, gpu=self.gpu)
         build.batch_writes = True  # only ingest writes a build
         return build
 
@@ -59,7 +65,8 @@ class EmbeddedBuild(CollectionBuild):
 
 
 def open_for_ingest(catalog: Catalog, name: str, spec: BuildSpec, index_dir: Path | None, vector_kind: str,
-                    open_live: Callable[[], EmbeddedCollection]) -> EmbeddedCollection | EmbeddedBuild:
+                    open_live: Callable[[], EmbeddedCollection], gpu: GpuPlacement | None = None
+                    ) -> EmbeddedCollection | EmbeddedBuild:
     """What an ingest into collection `name` with `spec` writes to.
 
     The collection itself (created if new) when it was built the same way; otherwise its next
@@ -68,6 +75,7 @@ def open_for_ingest(catalog: Catalog, name: str, spec: BuildSpec, index_dir: Pat
 
     Args:
         open_live: opens (or returns the already open) index of the live collection.
+        gpu: where a next generation's "faiss-ivf" index builds and searches (None: the CPU).
     """
     live = catalog.find_collection(name)
     hidden = catalog.hidden_generations(name)
@@ -90,7 +98,7 @@ def open_for_ingest(catalog: Catalog, name: str, spec: BuildSpec, index_dir: Pat
     build = resume or catalog.create_collection(
         generation_name(name, live.generation + 1), spec.embedder, spec.fingerprint, spec.dim, spec.chunking,
         generation=live.generation + 1)
-    return EmbeddedBuild(catalog, name, live, build, index_dir, vector_kind, open_live)
+    return EmbeddedBuild(catalog, name, live, build, index_dir, vector_kind, open_live, gpu)
 
 
 def _batched(collection: EmbeddedCollection) -> EmbeddedCollection:
