@@ -50,6 +50,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ siblings: sse
+
+from sse import sse_events  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 READY = re.compile(r"serving (\S+) on (http://\S+/v1)")
@@ -228,31 +232,23 @@ async def _stream(client: Any, url: str, body: dict, headers: dict[str, str], ch
     rec = Record(False)
     t = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    rec.ok = rec.error is None
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    rec.error = str(event["error"])[:200]
-                    continue
-                if event.get("usage"):
-                    rec.completion_tokens = event["usage"]["completion_tokens"]
-                    rec.prompt_tokens = event["usage"]["prompt_tokens"]
-                for choice in event.get("choices", ()):
-                    if chat:
-                        if choice.get("delta", {}).get("content"):
-                            rec.chunk_times.append(time.perf_counter() - t)
-                    elif choice.get("token_ids"):
+        async for event in sse_events(client, url, body, headers):
+            if event is None:
+                rec.ok = rec.error is None
+                break
+            if "error" in event:
+                rec.error = str(event["error"])[:200]
+                continue
+            if event.get("usage"):
+                rec.completion_tokens = event["usage"]["completion_tokens"]
+                rec.prompt_tokens = event["usage"]["prompt_tokens"]
+            for choice in event.get("choices", ()):
+                if chat:
+                    if choice.get("delta", {}).get("content"):
                         rec.chunk_times.append(time.perf_counter() - t)
-                        rec.chunk_tokens.append(len(choice["token_ids"]))
+                elif choice.get("token_ids"):
+                    rec.chunk_times.append(time.perf_counter() - t)
+                    rec.chunk_tokens.append(len(choice["token_ids"]))
     except Exception as exc:  # noqa: BLE001 - counted as a failed request
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
     rec.latency = time.perf_counter() - t

@@ -48,6 +48,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ siblings: sse
+
+from sse import sse_events  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 SPECIALS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -139,9 +143,10 @@ def write_settings(home: Path, args, folder: Path) -> None:
         "temperature": 0.0, "request_timeout": 900.0, "max_queued_generations": 1024,
         "answer_mode": "generate",  # a generated answer even from --tiny's model ("auto" quotes below 1B)
     }
-    if args.quantization != "none":
+    # bench/goodput.py calls this too, with its own settings for the engine's dtypes.
+    if getattr(args, "quantization", "none") != "none":
         lines["engine_quantization"] = args.quantization
-    if args.kv_cache_dtype != "auto":
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
         lines["engine_kv_cache_dtype"] = args.kv_cache_dtype
     home.mkdir(parents=True, exist_ok=True)
     (home / "rag.toml").write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
@@ -302,30 +307,22 @@ async def chat_request(client, base: str, key: str, item: Item, max_tokens: int)
     t = time.perf_counter()
     res = Result(item.index, False)
     try:
-        async with client.stream("POST", base + "/v1/chat/completions", json=body,
-                                 headers={"Authorization": f"Bearer {key}"}) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    res.ok = res.error is None
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    res.error = str(event["error"])[:300]
-                    continue
-                if event.get("usage"):
-                    res.completion_tokens = event["usage"]["completion_tokens"]
-                    res.prompt_tokens = event["usage"]["prompt_tokens"]
-                for choice in event.get("choices", ()):
-                    if choice.get("delta", {}).get("content") and res.ttft is None:
-                        res.ttft = time.perf_counter() - t
-                    if choice.get("finish_reason"):
-                        res.finish_reason = choice["finish_reason"]
+        async for event in sse_events(client, base + "/v1/chat/completions", body,
+                                      {"Authorization": f"Bearer {key}"}):
+            if event is None:
+                res.ok = res.error is None
+                break
+            if "error" in event:
+                res.error = str(event["error"])[:300]
+                continue
+            if event.get("usage"):
+                res.completion_tokens = event["usage"]["completion_tokens"]
+                res.prompt_tokens = event["usage"]["prompt_tokens"]
+            for choice in event.get("choices", ()):
+                if choice.get("delta", {}).get("content") and res.ttft is None:
+                    res.ttft = time.perf_counter() - t
+                if choice.get("finish_reason"):
+                    res.finish_reason = choice["finish_reason"]
     except Exception as exc:  # noqa: BLE001 - counted as a failed request
         res.error = f"{type(exc).__name__}: {exc}"
     res.latency = time.perf_counter() - t
