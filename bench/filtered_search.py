@@ -221,12 +221,17 @@ def main() -> None:
         print(f"# {share}: faiss rows done", flush=True)
 
     # -- pgvector ---------------------------------------------------------------------
-    if "pgvector" in stores:
-        # Free the Faiss copies of the vectors first: PostgreSQL's graph build wants the memory.
-        del flat, ivf, index
-        gc.collect()
-        pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows)
+    try:
+        if "pgvector" in stores:
+            # Free the Faiss copies of the vectors first: PostgreSQL's graph build wants the memory.
+            del flat, ivf, index
+            gc.collect()
+            pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows)
+    finally:  # a failure late in a long run still prints the rows measured so far
+        print_table(rows, started)
 
+
+def print_table(rows, started: float) -> None:
     print()
     print(f"| store | user reads | recall@{args.k} | p50 ms | p99 ms | queries with < k hits | p50 vs exact |")
     print("|---|---|---|---|---|---|---|")
