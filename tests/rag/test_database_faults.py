@@ -52,7 +52,7 @@ def _rows(dsn: str) -> dict[str, set]:
                 " FROM rag_documents").fetchall()),
             "chunks": set(conn.execute(
                 "SELECT id, collection, document_key, idx, text, heading, num_tokens, metadata::text, acl::text,"
-                " kw::text, tsv::text FROM rag_chunks").fetchall()),
+                " rag_chunk_keys(collection, acl, tsv)::text, tsv::text FROM rag_chunks").fetchall()),
             "keyword_domains": set(conn.execute(
                 "SELECT collection, acl::text, tag FROM rag_keyword_domains").fetchall()),
         }

@@ -16,10 +16,11 @@ import pytest
 
 from rag.types import Chunk, Document
 from retrieval.records import BuildSpec
+from retrieval.stores.pgvector import bulk
 from retrieval.stores.pgvector.bulk import index_memory_mb
-from retrieval.stores.pgvector.collection import PgvectorCollection, create_collection
+from retrieval.stores.pgvector.collection import PgvectorCollection, create_collection, open_collection
 from retrieval.stores.pgvector.rebuild import PgvectorBuild, open_for_ingest
-from retrieval.stores.pgvector.schema import hnsw_index_exists
+from retrieval.stores.pgvector.schema import hnsw_index_exists, keyword_index_exists, keyword_index_name
 from tests.pg_fixture import fresh_database
 
 DIM = 16
@@ -56,7 +57,7 @@ def _rows(dsn: str) -> tuple[list, list, list]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         chunks = conn.execute(
             "SELECT id, collection, document_key, idx, text, heading, num_tokens, metadata, acl, embedding::text,"
-            ' kw, tsv::text FROM rag_chunks ORDER BY id').fetchall()
+            ' rag_chunk_keys(collection, acl, tsv), tsv::text FROM rag_chunks ORDER BY id').fetchall()
         docs = conn.execute("SELECT collection, key, source, title, content_hash, acl, metadata, num_chunks"
                             ' FROM rag_documents ORDER BY collection, key COLLATE "C"').fetchall()
         indexes = conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'rag_chunks'"
@@ -166,22 +167,103 @@ def test_index_memory_fits_the_graph_within_bounds():
     assert index_memory_mb(10_000_000, 384, 1024) == 1024
 
 
-def test_keyword_keys_are_the_same_as_before_migration_4(pg_dsn):
+# Migration 3's key function, the body of the `kw` column until migration 5 replaced it.
+_OLD_KEYS = """CREATE FUNCTION pg_temp.old_keys(collection text, acl text[], heading text, body text)
+    RETURNS text[] LANGUAGE sql IMMUTABLE
+    AS $$ SELECT coalesce(array_agg(rag_keyword_domain(collection, acl) || ':' || l.lexeme), '{}')
+          FROM unnest(to_tsvector('english', coalesce(heading, '')) || to_tsvector('english', body)) AS l $$"""
+
+
+def test_keyword_index_keys_are_the_kw_column_of_before(pg_dsn):
+    """The keys migration 5 indexes, from `tsv`, are exactly what the `kw` column stored."""
     store = create_collection(pg_dsn, "lab", "test-embedder", "fp-1", DIM, {})
     store.replace_document(*_doc(7))
     store.close()
+    tsv = ("setweight(to_tsvector('english', coalesce(%(h)s::text, '')), 'A')"
+           " || setweight(to_tsvector('english', %(b)s::text), 'B')")
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        # Migration 3's SQL body, which migration 4 replaced.
-        conn.execute("""CREATE FUNCTION pg_temp.old_keys(collection text, acl text[], heading text, body text)
-            RETURNS text[] LANGUAGE sql IMMUTABLE
-            AS $$ SELECT coalesce(array_agg(rag_keyword_domain(collection, acl) || ':' || l.lexeme), '{}')
-                  FROM unnest(to_tsvector('english', coalesce(heading, '')) || to_tsvector('english', body)) AS l $$""")
-        rows = conn.execute("SELECT kw, pg_temp.old_keys(collection, acl, heading, text),"
-                            " rag_keyword_keys('c', '{a,b}', 'The Heading', 'Runs running ran; E-VCF-017 x') ="
-                            " pg_temp.old_keys('c', '{a,b}', 'The Heading', 'Runs running ran; E-VCF-017 x'),"
-                            " rag_keyword_keys('c', '{a}', NULL, '') = pg_temp.old_keys('c', '{a}', NULL, '')"
-                            " FROM rag_chunks").fetchall()
-    assert rows and all(kw == old and len(kw) > 3 and same and empty for kw, old, same, empty in rows)
+        conn.execute(_OLD_KEYS)
+        rows = conn.execute("SELECT rag_chunk_keys(collection, acl, tsv),"
+                            " pg_temp.old_keys(collection, acl, heading, text) FROM rag_chunks").fetchall()
+        for heading, body in (("The Heading", "Runs running ran; E-VCF-017 x"), (None, ""), ("", "a the of")):
+            same = conn.execute(f"SELECT rag_chunk_keys('c', '{{a,b}}', {tsv})"
+                                " = pg_temp.old_keys('c', '{a,b}', %(h)s, %(b)s)",
+                                {"h": heading, "b": body}).fetchone()[0]
+            assert same, (heading, body)
+    assert rows and all(new == old and len(new) > 3 for new, old in rows)
+
+
+def _candidate_scans(dsn: str, collection: str, tokens: list[str]) -> tuple[int, int]:
+    """(candidates, scans of the collection's keyword index) of rag_keyword_candidates for the word 'alpha'."""
+    with psycopg.connect(dsn) as conn, conn.transaction():  # the scan counts of this transaction
+        keys = conn.execute("SELECT array_agg(tag || ':alpha') FROM rag_keyword_domains"
+                            " WHERE collection = %s AND acl && %s::text[]", (collection, tokens)).fetchone()[0]
+        found = len(conn.execute("SELECT * FROM rag_keyword_candidates(%s, %s::text[], %s::text[])",
+                                 (collection, tokens, keys)).fetchall())
+        scans = conn.execute("SELECT coalesce(pg_stat_get_xact_numscans(to_regclass(%s)), -1)",
+                             (keyword_index_name(collection),)).fetchone()[0]
+    return found, int(scans)
+
+
+def test_keyword_search_reads_the_collection_index_once_loaded_and_readable_chunks_before(pg_dsn):
+    store = open_for_ingest(pg_dsn, "lab", SPEC, batch_documents=4)
+    for d in range(12):
+        store.replace_document(*_doc(d))
+    store.flush()
+    assert _candidate_scans(pg_dsn, "lab", ["group:g1"]) == (sum(1 + d % 4 for d in range(1, 12, 3)), -1)
+    during = {tokens: store.keyword_search("alpha part", 50, [tokens]) for tokens in ("group:g0", "group:g1")}
+    assert all(during.values()) and during["group:g0"] != during["group:g1"]
+    store.save()  # builds the keyword index
+    assert _candidate_scans(pg_dsn, "lab", ["group:g1"]) == (sum(1 + d % 4 for d in range(1, 12, 3)), 1)
+    after = {tokens: store.keyword_search("alpha part", 50, [tokens]) for tokens in ("group:g0", "group:g1")}
+    assert after == during
+    store.close()
+
+
+def test_a_database_of_schema_4_migrates_with_its_loaded_and_half_loaded_collections(pg_dsn, monkeypatch):
+    from retrieval.stores.pgvector import schema as pg_schema
+
+    monkeypatch.setattr(pg_schema, "MIGRATIONS", pg_schema.MIGRATIONS[:4])
+    monkeypatch.setattr(pg_schema, "LATEST", 4)
+    monkeypatch.setattr(bulk, "create_keyword_index", lambda conn, physical: None)  # schema 4 had none
+    monkeypatch.setattr(bulk, "keyword_index_exists", lambda conn, physical: True)
+    done = open_for_ingest(pg_dsn, "done", SPEC, batch_documents=4)
+    half = open_for_ingest(pg_dsn, "half", SPEC, batch_documents=4)
+    for d in range(10):
+        done.replace_document(*_doc(d))
+        half.replace_document(*_doc(d))
+    done.save()
+    half.flush()
+    half._session.close()  # killed mid-load: no HNSW index
+    done.close()
+    assert _has_index(pg_dsn, "done") and not _has_index(pg_dsn, "half")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        kw = conn.execute("SELECT id, kw FROM rag_chunks ORDER BY id").fetchall()
+        matched = conn.execute(  # what schema 4's keyword index found for 'alpha' in two domains
+            "SELECT id FROM rag_chunks WHERE kw && (SELECT array_agg(tag || ':alpha') FROM rag_keyword_domains"
+            " WHERE collection = 'done' AND acl && '{group:g1,group:g2}') ORDER BY id").fetchall()
+    monkeypatch.undo()
+
+    resumed = open_for_ingest(pg_dsn, "half", SPEC, batch_documents=4)  # migrates to the latest
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT id, rag_chunk_keys(collection, acl, tsv) FROM rag_chunks ORDER BY id"
+                            ).fetchall() == kw
+        assert conn.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = 'rag_chunks'"
+                            " AND column_name = 'kw'").fetchone()[0] == 0
+        assert keyword_index_exists(conn, "done") and keyword_index_exists(conn, "half")
+    resumed.replace_document(*_doc(10))
+    resumed.save()  # the half-loaded collection gets its HNSW index when its load ends
+    assert _has_index(pg_dsn, "half")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT id FROM rag_keyword_candidates('done', '{group:g1,group:g2}', (SELECT array_agg(tag || ':alpha')"
+            " FROM rag_keyword_domains WHERE collection = 'done' AND acl && '{group:g1,group:g2}')) ORDER BY id"
+        ).fetchall() == matched and len(matched) > 5
+    assert _candidate_scans(pg_dsn, "done", ["group:g1"])[1] == 1
+    again = open_collection(pg_dsn, "done")
+    assert {i for i, _ in again.keyword_search("alpha", 50, ["group:g1", "group:g2"])} == {i for i, in matched}
+    again.close()
+    resumed.close()
 
 
 WRITER = textwrap.dedent("""

@@ -86,6 +86,7 @@ def test_a_database_from_before_the_split_is_upgraded_with_its_chunks(pg_dsn, mo
 
     monkeypatch.setattr(pg_schema, "MIGRATIONS", pg_schema.MIGRATIONS[:2])
     monkeypatch.setattr(pg_schema, "LATEST", 2)
+    monkeypatch.setattr(pg_schema, "create_keyword_index", lambda conn, physical: None)  # migration 5's
     monkeypatch.setattr(PgvectorCollection, "_add_keyword_domain", lambda self, conn, acl: None)  # as before the split
     old = create_collection(pg_dsn, "docs", "test-embedder", "fp", DIM, {})
     _write(old, "guide", {"public"}, ["the ZX-4471 calibration guide"])

@@ -8,11 +8,12 @@ order from a temporary table (so concurrent writers lock shared keys in the same
 never deadlock), the old chunks of updated documents deleted, every chunk COPYed in binary,
 the keyword domains recorded. A document is still never half-written: a batch commits whole.
 
-A collection or rebuilt version created empty by an ingest has no HNSW index yet (`IndexLoad`):
-writers hold a shared advisory lock on it while they load, and the one that ends its load last
-(it gets the lock exclusively) builds the index with a `maintenance_work_mem` sized for the graph.
-Once the index exists, writes maintain it incrementally as before. A writer killed mid-load
-drops its lock with its connection; the next writer to end a load builds the index.
+A collection or rebuilt version created empty by an ingest has no keyword or HNSW index yet
+(`IndexLoad`): writers hold a shared advisory lock on it while they load, and the one that ends
+its load last (it gets the lock exclusively) builds both with a `maintenance_work_mem` sized for
+them: the keyword index (schema migration 5) from every chunk's keys sorted in memory, the HNSW
+graph in memory. Once they exist, writes maintain them incrementally as before. A writer killed
+mid-load drops its lock with its connection; the next writer to end a load builds them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from retrieval.stores.pgvector.schema import MAX_HNSW_DIM, create_hnsw_index, hnsw_index_exists
+from retrieval.stores.pgvector.schema import (
+    MAX_HNSW_DIM,
+    create_hnsw_index,
+    create_keyword_index,
+    hnsw_index_exists,
+    keyword_index_exists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +156,11 @@ def load_lock_key(collection: str) -> int:
 
 
 class IndexLoad:
-    """Whether this writer is bulk-loading a collection that has no HNSW index yet (see the module docstring).
+    """Whether this writer is bulk-loading a collection that lacks its indexes (see the module docstring).
 
-    Decided at the first write: with the index present, writes maintain it (incremental); without
-    it, this writer holds the collection's load lock shared until `end`, and the last loader to end
-    builds the index.
+    Decided at the first write: with the indexes present, writes maintain them (incremental);
+    without, this writer holds the collection's load lock shared until `end`, and the last
+    loader to end builds them.
     """
 
     def __init__(self, collection: str, dim: int, max_memory_mb: int) -> None:
@@ -163,12 +170,17 @@ class IndexLoad:
         self.key = load_lock_key(collection)
         self.is_loading: bool | None = None  # None: not decided yet
 
+    def indexes_exist(self, conn: psycopg.Connection) -> bool:
+        """Whether the keyword index and (for at most MAX_HNSW_DIM dimensions) the HNSW index exist."""
+        return keyword_index_exists(conn, self.collection) and (
+            self.dim > MAX_HNSW_DIM or hnsw_index_exists(conn, self.collection))
+
     def before_write(self, conn: psycopg.Connection) -> None:
-        """Join the load if the collection has no index (waits while someone builds it)."""
-        if self.is_loading is not None or self.dim > MAX_HNSW_DIM:
+        """Join the load if the collection lacks its indexes (waits while someone builds them)."""
+        if self.is_loading is not None:
             return
         conn.execute("SELECT pg_advisory_lock_shared(%s)", (self.key,))
-        self.is_loading = not hnsw_index_exists(conn, self.collection)
+        self.is_loading = not self.indexes_exist(conn)
         if not self.is_loading:
             conn.execute("SELECT pg_advisory_unlock_shared(%s)", (self.key,))
 
@@ -177,37 +189,39 @@ class IndexLoad:
         self.is_loading = None
 
     def end(self, conn: psycopg.Connection, wait: bool) -> bool:
-        """Leave the load; if no other writer is loading (or, with `wait`, once none is), build the index.
+        """Leave the load; if no other writer is loading (or, with `wait`, once none is), build the indexes.
 
-        Runs in the caller's transaction. Returns whether the index exists now (as far as this
-        writer knows: another loader may still be writing and build it when it ends).
+        Runs in the caller's transaction. Returns whether the indexes exist now (as far as this
+        writer knows: another loader may still be writing and build them when it ends).
         """
-        if self.dim > MAX_HNSW_DIM:
-            return False
         if self.is_loading:
             conn.execute("SELECT pg_advisory_unlock_shared(%s)", (self.key,))
         self.is_loading = None
         if wait:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.key,))
         elif not conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (self.key,)).fetchone()[0]:
-            return False  # others are still loading: the last of them builds it
-        if hnsw_index_exists(conn, self.collection):
+            return False  # others are still loading: the last of them builds them
+        if self.indexes_exist(conn):
             return True
-        rows = conn.execute("SELECT count(*) FROM rag_chunks WHERE collection = %s", (self.collection,)).fetchone()[0]
-        memory_mb = index_memory_mb(int(rows), self.dim, self.max_memory_mb)
+        rows = int(conn.execute("SELECT count(*) FROM rag_chunks WHERE collection = %s",
+                                (self.collection,)).fetchone()[0])
+        memory_mb = index_memory_mb(rows, self.dim, self.max_memory_mb)
         conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(f"{memory_mb}MB")))
-        log.info("building the HNSW index of %r over %d chunks (maintenance_work_mem %d MB)",
+        log.info("building the keyword and HNSW indexes of %r over %d chunks (maintenance_work_mem %d MB)",
                  self.collection, rows, memory_mb)
-        create_hnsw_index(conn, self.collection, self.dim)
+        create_keyword_index(conn, self.collection)
+        if self.dim <= MAX_HNSW_DIM:
+            create_hnsw_index(conn, self.collection, self.dim)
         return True
 
 
 def index_memory_mb(rows: int, dim: int, max_mb: int) -> int:
-    """maintenance_work_mem for an HNSW build of `rows` vectors: the graph in memory (pgvector builds far
-    faster while it fits), with a margin, at least 64 MB and at most `max_mb`.
+    """maintenance_work_mem for the index builds after a load of `rows` chunks: the HNSW graph in memory
+    (pgvector builds far faster while it fits), with a margin, at least 64 MB and at most `max_mb`.
 
     Per element: the vector (4 bytes a dimension) and its neighbour lists (m = 16: 2m on layer 0,
-    fewer above; ~10 bytes each), plus pgvector's element header.
+    fewer above; ~10 bytes each), plus pgvector's element header. The keyword index's build
+    (each chunk's ~110 keys, 6 bytes a posting plus each distinct key once) needs less.
     """
     need = rows * (dim * 4 + 2 * 16 * 10 + 200) * 1.3 / 2**20
     return int(max(64, min(max_mb, need)))

@@ -379,8 +379,9 @@ class PgvectorCollection:
         Terms come from `keyword.query_terms` (the same words the SQLite side searches); each one
         goes through `phraseto_tsquery` as a value, never as tsquery syntax, so `E-VCF-017` is
         the phrase "e-vcf e vcf 017" as the documents' parser splits it, and the terms are OR-ed.
-        Candidates come from the `kw` index by `tag:word` keys of the readable ACL domains only
-        (migration 3), so the work done never depends on chunks the principal may not read.
+        Candidates come from the collection's keyword index by `tag:word` keys of the readable
+        ACL domains only (migrations 3 and 5), so the work done never depends on chunks the
+        principal may not read.
         """
         self.flush()
         statement, params = self._keyword_sql(text, k, tokens)
@@ -411,14 +412,15 @@ class PgvectorCollection:
             sql.SQL("phraseto_tsquery('english', {})").format(sql.Placeholder(f"t{n}")) for n in range(len(terms)))
         # keys: `tag:lexeme` for every readable domain and every lexeme of the terms (a phrase's
         # words each; `tsv @@` below then checks the phrase itself). Candidates come from
-        # rag_keyword_candidates (the kw index only, see migration 3), materialized so that no
+        # rag_keyword_candidates (the keyword index only, see migration 5), materialized so that no
         # other condition reaches rag_chunks. Scalar subqueries are computed once (InitPlans).
         # Weights {D, C, B, A}: a term in the heading (A) counts twice one in the text (B).
         statement = sql.SQL(
             "WITH keys AS (SELECT array_agg(d.tag || ':' || l.lexeme) AS k FROM rag_keyword_domains d,"
             " unnest(%(terms)s::text[]) AS t(term), unnest(to_tsvector('english', t.term)) AS l"
             " WHERE d.collection = %(name)s AND d.acl && %(tokens)s::text[]),"
-            " candidates AS MATERIALIZED (SELECT * FROM rag_keyword_candidates((SELECT k FROM keys)))"
+            " candidates AS MATERIALIZED (SELECT * FROM"
+            " rag_keyword_candidates(%(name)s, %(tokens)s::text[], (SELECT k FROM keys)))"
             " SELECT id, ts_rank_cd('{{0, 0, 0.5, 1}}', tsv, (SELECT {tsq})) AS score FROM candidates"
             " WHERE collection = %(name)s AND acl && %(tokens)s::text[] AND tsv @@ (SELECT {tsq})"
             " ORDER BY score DESC, id LIMIT %(k)s"

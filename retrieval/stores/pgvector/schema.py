@@ -149,6 +149,60 @@ BEGIN
                  FROM unnest(to_tsvector('english', coalesce(heading, '')) || to_tsvector('english', body)) AS l);
 END $$;
 """),
+    # Keyword index per collection (issue 33): one shared GIN index over `kw` took every chunk's
+    # ~110 keys one insert at a time (fastupdate off), the largest cost of a bulk load after the
+    # HNSW build, and the stored `kw` array (~2.7 kB a chunk) cost as much again to compute,
+    # compress and write. Now each generation has a partial GIN expression index
+    # `rag_kw_<md5(name)[:16]>` over `rag_chunk_keys(collection, acl, tsv)`: the same `tag:lexeme`
+    # keys (tsv's lexemes are kw's), computed when the index is built or maintained and never
+    # stored, so a bulk load builds it once at the end, sorted in memory, like the HNSW graph
+    # (bulk.IndexLoad). Still fastupdate off (no pending list that every search would scan), and
+    # a search now reads only its own collection's index. rag_chunk_keys uses pg_catalog only:
+    # index builds (CREATE INDEX, VACUUM FULL) run it with search_path = pg_catalog.
+    (5, """
+CREATE FUNCTION rag_chunk_keys(collection text, acl text[], tsv tsvector) RETURNS text[]
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+    AS $$
+DECLARE
+    -- rag_keyword_domain(collection, acl), inlined: see above.
+    prefix text := left(md5(collection || chr(31) || array_to_string(acl, chr(31))), 16) || ':';
+BEGIN
+    RETURN ARRAY(SELECT prefix || l.lexeme FROM unnest(tsv) AS l);
+END $$;
+DROP FUNCTION rag_keyword_candidates(text[]);
+ALTER TABLE rag_chunks DROP COLUMN kw;
+DROP FUNCTION rag_keyword_keys(text, text[], text, text);
+-- The chunks of collection `coll` holding any of `keys`, read through its keyword index only:
+-- a statement planned with the literal name, so the partial index applies, seqscan off as in
+-- migration 3, and the index's predicate is `(collection || '') = NAME` rather than
+-- `collection = NAME`, so that the B-tree on (collection, ...) cannot serve it (the planner
+-- took it, then computed the keys of every chunk of the collection, readable or not). While a
+-- bulk load has not built the index yet, only chunks `tokens` may read get their keys checked.
+CREATE FUNCTION rag_keyword_candidates(coll text, tokens text[], keys text[])
+    RETURNS TABLE (id bigint, collection text, acl text[], tsv tsvector)
+    LANGUAGE plpgsql STABLE PARALLEL SAFE SET enable_seqscan = off
+    AS $$
+#variable_conflict use_column
+BEGIN
+    IF to_regclass('rag_kw_' || left(md5(coll), 16)) IS NOT NULL THEN
+        RETURN QUERY EXECUTE format('SELECT c.id, c.collection, c.acl, c.tsv FROM rag_chunks c'
+                                    ' WHERE (c.collection || '''') = %L AND rag_chunk_keys(c.collection, c.acl, c.tsv) && $1',
+                                    coll) USING keys;
+    ELSE
+        RETURN QUERY SELECT c.id, c.collection, c.acl, c.tsv FROM rag_chunks c
+            WHERE c.collection = coll AND c.acl && tokens AND rag_chunk_keys(c.collection, c.acl, c.tsv) && keys;
+    END IF;
+END $$;
+DO $$
+DECLARE
+    coll text;
+BEGIN
+    FOR coll IN SELECT name FROM rag_collections ORDER BY name LOOP
+        EXECUTE format('CREATE INDEX %I ON rag_chunks USING gin (rag_chunk_keys(collection, acl, tsv))'
+                       ' WITH (fastupdate = off) WHERE (collection || '''') = %L', 'rag_kw_' || left(md5(coll), 16), coll);
+    END LOOP;
+END $$;
+"""),
 ]
 
 LATEST = MIGRATIONS[-1][0]
@@ -205,7 +259,7 @@ def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim:
     Generation 1 is created live under its own name; a later generation G is created hidden, as
     `name@G`, for `pg_rebuild` to fill and switch to. Concurrent callers are safe: the loser of
     the insert race waits for the winner's commit. With `build_index` False the collection starts
-    without its HNSW index, for a bulk load that builds it at the end (`bulk.IndexLoad`).
+    without its keyword and HNSW indexes, for a bulk load that builds them at the end (`bulk.IndexLoad`).
     """
     if not name or dim <= 0 or GENERATION_SEP in name:
         raise StoreError(f"a collection needs a name without {GENERATION_SEP!r} and a positive dimension "
@@ -218,9 +272,11 @@ def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim:
             (physical, name, generation, generation == 1, embedder, fingerprint, dim,
              Jsonb(chunking, dumps=_json_dumps)),
         ).fetchone()
-        if created and build_index and dim <= MAX_HNSW_DIM:
-            # In the creating transaction, so such a collection never exists without its index.
-            create_hnsw_index(conn, physical, dim)
+        if created and build_index:
+            # In the creating transaction, so such a collection never exists without its indexes.
+            create_keyword_index(conn, physical)
+            if dim <= MAX_HNSW_DIM:
+                create_hnsw_index(conn, physical, dim)
     return _info(dsn, physical)
 
 
@@ -234,6 +290,25 @@ def create_hnsw_index(conn: psycopg.Connection, physical: str, dim: int) -> None
         "CREATE INDEX IF NOT EXISTS {index} ON rag_chunks USING hnsw ((embedding::vector({dim})) vector_ip_ops)"
         " WHERE collection = {name}"
     ).format(index=sql.Identifier(hnsw_index_name(physical)), dim=sql.Literal(dim), name=sql.Literal(physical)))
+
+
+def create_keyword_index(conn: psycopg.Connection, physical: str) -> None:
+    """Build generation `physical`'s keyword index (migration 5), in the caller's transaction.
+
+    Built after a bulk load, it sorts every chunk's keys in memory (`maintenance_work_mem`) and
+    writes each posting list once, instead of ~110 index inserts a chunk.
+    """
+    conn.execute(sql.SQL(
+        "CREATE INDEX IF NOT EXISTS {index} ON rag_chunks USING gin (rag_chunk_keys(collection, acl, tsv))"
+        # `|| ''`: see rag_keyword_candidates (migration 5).
+        " WITH (fastupdate = off) WHERE (collection || '') = {name}"
+    ).format(index=sql.Identifier(keyword_index_name(physical)), name=sql.Literal(physical)))
+
+
+def keyword_index_exists(conn: psycopg.Connection, physical: str) -> bool:
+    """Whether generation `physical` has its keyword index (a bulk-loaded one has none until its load ends)."""
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                        (sql.Identifier(keyword_index_name(physical)).as_string(conn),)).fetchone()[0]
 
 
 def hnsw_index_exists(conn: psycopg.Connection, physical: str) -> bool:
@@ -310,10 +385,11 @@ def drop_collection(dsn: str, name: str) -> None:
 
 
 def drop_generation(dsn: str, physical: str) -> int:
-    """Delete one generation (physical name) with its documents, chunks and index; returns documents deleted."""
+    """Delete one generation (physical name) with its documents, chunks and indexes; returns documents deleted."""
     with admin_connection(dsn, f"dropping collection {physical!r}") as conn, conn.transaction():
         deleted = conn.execute("SELECT count(*) FROM rag_documents WHERE collection = %s", (physical,)).fetchone()[0]
         conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(hnsw_index_name(physical))))
+        conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(keyword_index_name(physical))))
         conn.execute("DELETE FROM rag_collections WHERE name = %s", (physical,))
     return int(deleted)
 
@@ -321,6 +397,11 @@ def drop_generation(dsn: str, physical: str) -> int:
 def hnsw_index_name(collection: str) -> str:
     # Collection names are free text and identifiers stop at 63 bytes: name the index by a hash.
     return "rag_hnsw_" + hashlib.blake2b(collection.encode(), digest_size=8).hexdigest()
+
+
+def keyword_index_name(collection: str) -> str:
+    # md5 because SQL computes the same name (migration 5, rag_keyword_candidates); not a secret.
+    return "rag_kw_" + hashlib.md5(collection.encode(), usedforsecurity=False).hexdigest()[:16]
 
 
 def ensure_pgvector(conn: psycopg.Connection, dsn: str) -> None:
