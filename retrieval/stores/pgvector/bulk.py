@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -188,11 +189,15 @@ class IndexLoad:
         """The connection was lost (and its locks with it): decide again at the next write."""
         self.is_loading = None
 
-    def end(self, conn: psycopg.Connection, wait: bool) -> bool:
+    def end(self, conn: psycopg.Connection, wait: bool,
+            connect: Callable[[], psycopg.Connection] | None = None) -> bool:
         """Leave the load; if no other writer is loading (or, with `wait`, once none is), build the indexes.
 
-        Runs in the caller's transaction. Returns whether the indexes exist now (as far as this
-        writer knows: another loader may still be writing and build them when it ends).
+        Runs in the caller's transaction. With `connect` (a new autocommit connection to the same
+        database), the keyword index is built on that second connection while this one builds
+        the HNSW graph: two server processes, where one after the other leaves a core idle.
+        Returns whether the indexes exist now (as far as this writer knows: another loader may
+        still be writing and build them when it ends).
         """
         if self.is_loading:
             conn.execute("SELECT pg_advisory_unlock_shared(%s)", (self.key,))
@@ -209,10 +214,62 @@ class IndexLoad:
         conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(f"{memory_mb}MB")))
         log.info("building the keyword and HNSW indexes of %r over %d chunks (maintenance_work_mem %d MB)",
                  self.collection, rows, memory_mb)
-        create_keyword_index(conn, self.collection)
-        if self.dim <= MAX_HNSW_DIM:
+        need_keyword = not keyword_index_exists(conn, self.collection)
+        need_hnsw = self.dim <= MAX_HNSW_DIM and not hnsw_index_exists(conn, self.collection)
+        if need_keyword and need_hnsw and connect is not None:
+            with SideIndexBuild(connect, self.collection, memory_mb):
+                create_hnsw_index(conn, self.collection, self.dim)
+            return True
+        if need_keyword:
+            create_keyword_index(conn, self.collection)
+        if need_hnsw:
             create_hnsw_index(conn, self.collection, self.dim)
         return True
+
+
+class SideIndexBuild:
+    """A keyword index built on a connection of its own, in a thread, while the caller builds the HNSW index.
+
+    Each build commits on its own connection; one that fails or is killed leaves the other
+    index (or none), and the next loader to end builds what is missing (`IndexLoad.indexes_exist`).
+    The side connection takes its SHARE lock on rag_chunks before the caller's CREATE INDEX
+    asks for its own: otherwise a writer of another collection queued between the two (waiting
+    for the caller's lock) would make it wait for the caller, which waits for it in this process,
+    a deadlock the server cannot see.
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection], collection: str, memory_mb: int) -> None:
+        self._connect = connect
+        self.collection = collection
+        self.memory_mb = memory_mb
+        self._locked = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"keyword-index-{collection}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with self._connect() as conn, conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(f"{self.memory_mb}MB")))
+                conn.execute("LOCK TABLE rag_chunks IN SHARE MODE")
+                self._locked.set()
+                create_keyword_index(conn, self.collection)
+        except BaseException as e:  # re-raised in the caller's thread
+            self._error = e
+        finally:
+            self._locked.set()
+
+    def __enter__(self) -> SideIndexBuild:
+        self._thread.start()
+        self._locked.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()  # also when the caller's build failed: never leave the side build running
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
 
 def index_memory_mb(rows: int, dim: int, max_mb: int) -> int:

@@ -253,23 +253,23 @@ class PgvectorCollection:
             conn.execute("SET LOCAL synchronous_commit = on")
 
     def save(self) -> None:
-        """Commit buffered writes; after a bulk load, the last loader to save builds the HNSW index."""
+        """Commit buffered writes; after a bulk load, the last loader to save builds the indexes."""
         self.flush()
         self.end_load(wait=False)
 
     def end_load(self, wait: bool) -> bool:
-        """Leave a bulk load of this generation (`bulk.IndexLoad`) and build its index if no one else loads.
+        """Leave a bulk load of this generation (`bulk.IndexLoad`) and build its indexes if no one else loads.
 
         Args:
-            wait: wait for other loaders to end theirs, then build the index if it is missing.
+            wait: wait for other loaders to end theirs, then build the indexes that are missing.
 
         Returns:
-            Whether the index exists now (False: another loader builds it when it ends).
+            Whether the indexes exist now (False: another loader builds them when it ends).
         """
         self.flush()
         built: list[bool] = []
-        self._session.write(f"building the HNSW index of version {self.info.generation}",
-                            lambda conn: built.append(self._load.end(conn, wait)))
+        self._session.write(f"building the keyword and HNSW indexes of version {self.info.generation}",
+                            lambda conn: built.append(self._load.end(conn, wait, lambda: connect(self.dsn))))
         return built[0]
 
     def refresh(self) -> bool:

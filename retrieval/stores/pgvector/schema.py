@@ -186,8 +186,8 @@ CREATE FUNCTION rag_keyword_candidates(coll text, tokens text[], keys text[])
 BEGIN
     IF to_regclass('rag_kw_' || left(md5(coll), 16)) IS NOT NULL THEN
         RETURN QUERY EXECUTE format('SELECT c.id, c.collection, c.acl, c.tsv FROM rag_chunks c'
-                                    ' WHERE (c.collection || '''') = %L AND rag_chunk_keys(c.collection, c.acl, c.tsv) && $1',
-                                    coll) USING keys;
+            ' WHERE (c.collection || '''') = %L AND rag_chunk_keys(c.collection, c.acl, c.tsv) && $1', coll)
+            USING keys;
     ELSE
         RETURN QUERY SELECT c.id, c.collection, c.acl, c.tsv FROM rag_chunks c
             WHERE c.collection = coll AND c.acl && tokens AND rag_chunk_keys(c.collection, c.acl, c.tsv) && keys;
@@ -199,7 +199,8 @@ DECLARE
 BEGIN
     FOR coll IN SELECT name FROM rag_collections ORDER BY name LOOP
         EXECUTE format('CREATE INDEX %I ON rag_chunks USING gin (rag_chunk_keys(collection, acl, tsv))'
-                       ' WITH (fastupdate = off) WHERE (collection || '''') = %L', 'rag_kw_' || left(md5(coll), 16), coll);
+                       ' WITH (fastupdate = off) WHERE (collection || '''') = %L',
+                       'rag_kw_' || left(md5(coll), 16), coll);
     END LOOP;
 END $$;
 """),
