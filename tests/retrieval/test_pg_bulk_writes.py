@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -159,6 +160,39 @@ def test_a_rebuild_is_loaded_without_an_index_and_switches_only_with_one(pg_dsn)
     outcome = build.finish()
     assert outcome.switched and _has_index(pg_dsn, "lab@2") and _count(pg_dsn, "lab") == 0
     build.close()
+
+
+def test_the_index_builds_at_the_end_of_a_load_wait_for_other_writers_without_deadlock(pg_dsn):
+    """The keyword index is built on a second connection beside the HNSW build; writers of other
+    collections queued between the two builds' locks must not leave them waiting on each other."""
+    store = open_for_ingest(pg_dsn, "lab", SPEC, batch_documents=4)
+    for d in range(8):
+        store.replace_document(*_doc(d))
+    store.flush()
+    first = psycopg.connect(pg_dsn)  # a writer of another collection, in the middle of its batch
+    first.execute("LOCK TABLE rag_chunks IN ROW EXCLUSIVE MODE")
+    ended: list[bool] = []
+    builder = threading.Thread(target=lambda: ended.append(store.end_load(wait=False)))
+    builder.start()
+
+    def queued_writer() -> None:  # arrives while a build waits for `first`: queues behind it
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute("LOCK TABLE rag_chunks IN ROW EXCLUSIVE MODE")
+            conn.commit()
+
+    time.sleep(0.5)
+    second = threading.Thread(target=queued_writer)
+    second.start()
+    time.sleep(0.5)
+    first.commit()
+    first.close()
+    builder.join(timeout=60)
+    second.join(timeout=60)
+    assert not builder.is_alive() and not second.is_alive(), "the index builds and a writer deadlocked"
+    assert ended == [True]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert hnsw_index_exists(conn, "lab") and keyword_index_exists(conn, "lab")
+    store.close()
 
 
 def test_index_memory_fits_the_graph_within_bounds():
