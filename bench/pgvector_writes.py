@@ -5,7 +5,7 @@
 
 Vectors are precomputed (random unit vectors), so embedding is out of the figure: each row
 times `replace_document` calls for already-chunked, already-embedded documents, and the
-`save()` (and for pgvector bulk, the HNSW build) that ends an ingest. Documents: `--chunks`
+`save()` (and for pgvector bulk, the keyword and HNSW index builds) that ends an ingest. Documents: `--chunks`
 chunks of `--words` words each (English stop words and synthetic words drawn by Zipf's law,
 so the keyword index has about the work of real text: ~100 distinct lexemes a chunk), a
 heading, and one of 20 group ACLs.
@@ -17,11 +17,11 @@ Rows, all measured in this run, on one throwaway PostgreSQL started like `rag db
   `--before-docs` documents only (it is slow), into an empty collection: its graph stays
   smaller than the others', which flatters it.
 - pgvector, bulk (after): what an ingest opens for a new collection (`open_for_ingest`):
-  `--batch` documents per transaction, no HNSW index until `save()` builds it.
+  `--batch` documents per transaction, no keyword or HNSW index until `save()` builds them.
 - Faiss + SQLite: the embedded default (`faiss` flat index, SQLite catalog with FTS5).
 - pgvector bulk, N tasks: N processes (a Slurm array's tasks) each writing 1/N of the corpus
   into one new collection at once; the wall time runs until the last one's `save()` returned
-  (the last loader builds the index).
+  (the last loader builds the indexes).
 """
 
 from __future__ import annotations
@@ -161,8 +161,10 @@ def pg_tasks(dsn: str, args: argparse.Namespace) -> float:
 
 
 def check_same_rows(dsn: str, a: str, b: str) -> None:
-    """Two collections written the two ways hold the same documents, chunks, ACLs and vectors."""
+    """Two collections written the two ways hold the same documents, chunks, ACLs and vectors, and both indexes."""
     import psycopg
+
+    from retrieval.stores.pgvector.schema import keyword_index_exists
 
     query = ("SELECT c.document_key, c.idx, c.text, c.heading, c.acl, c.embedding::text, d.content_hash"
              " FROM rag_chunks c JOIN rag_documents d ON d.collection = c.collection AND d.key = c.document_key"
@@ -173,6 +175,7 @@ def check_same_rows(dsn: str, a: str, b: str) -> None:
             index = conn.execute("SELECT count(*) FROM pg_indexes WHERE tablename = 'rag_chunks'"
                                  " AND indexdef LIKE %s", (f"%hnsw%{name}%",)).fetchone()[0]
             assert index == 1, f"{name} has no HNSW index"
+            assert keyword_index_exists(conn, name), f"{name} has no keyword index"
 
 
 def main(args: argparse.Namespace) -> None:
@@ -198,7 +201,7 @@ def main(args: argparse.Namespace) -> None:
             load, build = pg_before(dsn, before, args)
             rows.append(("pgvector, per document (before)", len(before), load, build))
             load, build = pg_bulk(dsn, "bulk", corpus, args)
-            rows.append((f"pgvector, bulk {args.batch}/transaction + HNSW after (after)", len(corpus), load, build))
+            rows.append((f"pgvector, bulk {args.batch}/transaction + indexes after (after)", len(corpus), load, build))
             if args.check:
                 pg_bulk(dsn, "bulk-check", before, args)
                 check_same_rows(dsn, "bulk-check", "before")
