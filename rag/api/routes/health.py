@@ -50,8 +50,10 @@ async def readyz(rag: RagDep) -> JSONResponse:
             problem = str(e)
         body["database"] = "ok" if problem is None else "not answering"
         if problem is not None:
+            # The route takes no key, so the body names no host or port (the 503s of /v1 routes do
+            # not either): the log, which only the operator reads, has the server's address.
             log.warning("not ready: %s", problem)
-            detail = f"the database is not answering: {problem}"
+            detail = "the database is not answering (the server's log names it)"
             body.update(ready=False, detail=f"{body['detail']}; {detail}" if body.get("detail") else detail)
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
