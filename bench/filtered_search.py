@@ -258,8 +258,11 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
         dsn = server.start()
     try:
         # A batch of documents per transaction (binary COPY of the chunks), as ingest writes.
+        tuning = {"max_scan_tuples": args.pg_max_scan}
+        if args.pg_exact_below is not None:
+            tuning["exact_below"] = args.pg_exact_below
         coll = create_collection(dsn, "bench", "random", "random", args.dim, {}, ef_search=args.pg_ef,
-                                 max_scan_tuples=args.pg_max_scan, batch_documents=args.pg_batch)
+                                 batch_documents=args.pg_batch, **tuning)
         t = time.perf_counter()
         with psycopg.connect(dsn, autocommit=True) as conn:
             name = hnsw_index_name("bench")
@@ -278,7 +281,8 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
             size = conn.execute("SELECT pg_size_pretty(pg_relation_size(%s::regclass)), "
                                 "pg_size_pretty(pg_table_size('rag_chunks'))", (name,)).fetchone()
         print(f"# pgvector loaded in {loaded - t:.0f} s, HNSW built in {time.perf_counter() - loaded:.0f} s "
-              f"(index {size[0]}, table {size[1]}; ef_search {args.pg_ef}, max_scan_tuples {args.pg_max_scan})",
+              f"(index {size[0]}, table {size[1]}; ef_search {args.pg_ef}, max_scan_tuples {args.pg_max_scan}, "
+              f"exact below {coll.exact_below:,} readable)",
               flush=True)
         # our catalog ids -> pgvector ids (deterministic per document key and chunk index)
         pg_id = {int(i): chunk_id("bench", f"doc{n // CHUNKS_PER_DOC:06d}", n % CHUNKS_PER_DOC)
@@ -305,7 +309,7 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
         coll.close()
         # Wider searches of the same graph, through the store (iterative scan): what recall costs.
         for ef in (int(v) for v in args.pg_ef_more.split(",") if v):
-            wide = open_collection(dsn, "bench", ef_search=ef, max_scan_tuples=args.pg_max_scan)
+            wide = open_collection(dsn, "bench", ef_search=ef, **tuning)
             for share, tokens in users.items():
                 pg_truth = [{pg_id[i] for i in t} for t in truth[share]]
                 res, lat = timed(lambda q, tk=tokens, c=wide: c.search(q, args.k, tk), queries)
@@ -332,6 +336,9 @@ if __name__ == "__main__":
     parser.add_argument("--pg-ef-more", default="",
                         help="comma list of further hnsw.ef_search values, measured with the iterative scan")
     parser.add_argument("--pg-max-scan", type=int, default=20_000, help="pgvector hnsw.max_scan_tuples")
+    parser.add_argument("--pg-exact-below", type=int,
+                        help="pgvector: principals who may read at most this many chunks are searched exactly "
+                             "(default: the store's)")
     parser.add_argument("--dsn", help="an existing PostgreSQL with pgvector (default: a throwaway local one)")
     parser.add_argument("--stores", default="faiss-hnsw,pgvector",
                         help="comma list of faiss-hnsw, faiss-ivf, pgvector (the exact peer always runs)")
