@@ -178,7 +178,7 @@ DROP FUNCTION rag_keyword_keys(text, text[], text, text);
 -- `collection = NAME`, so that the B-tree on (collection, ...) cannot serve it (the planner
 -- took it, then computed the keys of every chunk of the collection, readable or not). While a
 -- bulk load has not built the index yet, only chunks `tokens` may read get their keys computed
--- (the planner runs the cheap ACL condition before the function).
+-- (read through the ACL index; any plan runs the cheap ACL condition before the function).
 CREATE FUNCTION rag_keyword_candidates(coll text, tokens text[], keys text[])
     RETURNS TABLE (id bigint, collection text, acl text[], tsv tsvector)
     LANGUAGE plpgsql STABLE PARALLEL SAFE SET enable_seqscan = off
