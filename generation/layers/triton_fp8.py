@@ -145,11 +145,11 @@ def _fp8_skinny_kernel(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if BITS:
             # w is the weight's bytes (uint8). Sign to bit 15, exponent and mantissa under x's
             # dtype's exponent field: the pattern reads as w * 2^-120 (bf16) or w * 2^-8 (fp16).
