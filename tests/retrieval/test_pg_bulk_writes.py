@@ -49,8 +49,11 @@ def _count(dsn: str, collection: str) -> int:
 
 
 def _has_index(dsn: str, collection: str) -> bool:
+    """Whether the collection has both its HNSW and keyword indexes (False: neither; anything else fails)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return hnsw_index_exists(conn, collection)
+        hnsw, keyword = hnsw_index_exists(conn, collection), keyword_index_exists(conn, collection)
+    assert hnsw == keyword, f"{collection}: HNSW index {hnsw}, keyword index {keyword}"
+    return hnsw
 
 
 def _rows(dsn: str) -> tuple[list, list, list]:
@@ -159,6 +162,7 @@ def test_a_rebuild_is_loaded_without_an_index_and_switches_only_with_one(pg_dsn)
     build.save()
     outcome = build.finish()
     assert outcome.switched and _has_index(pg_dsn, "lab@2") and _count(pg_dsn, "lab") == 0
+    assert not _has_index(pg_dsn, "lab")  # the old version's indexes went with it
     build.close()
 
 
@@ -270,8 +274,8 @@ def test_a_database_of_schema_4_migrates_with_its_loaded_and_half_loaded_collect
     half.flush()
     half._session.close()  # killed mid-load: no HNSW index
     done.close()
-    assert _has_index(pg_dsn, "done") and not _has_index(pg_dsn, "half")
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert hnsw_index_exists(conn, "done") and not hnsw_index_exists(conn, "half")
         kw = conn.execute("SELECT id, kw FROM rag_chunks ORDER BY id").fetchall()
         matched = conn.execute(  # what schema 4's keyword index found for 'alpha' in two domains
             "SELECT id FROM rag_chunks WHERE kw && (SELECT array_agg(tag || ':alpha') FROM rag_keyword_domains"
