@@ -195,7 +195,8 @@ class IndexLoad:
 
         Runs in the caller's transaction. With `connect` (a new autocommit connection to the same
         database), the keyword index is built on that second connection while this one builds
-        the HNSW graph: two server processes, where one after the other leaves a core idle.
+        the HNSW graph: two server processes, where one after the other leaves a core idle
+        (each may take the `maintenance_work_mem` of `index_memory_mb`, so twice that together).
         Returns whether the indexes exist now (as far as this writer knows: another loader may
         still be writing and build them when it ends).
         """
