@@ -14,11 +14,8 @@ compare it with the version their cache was filled at (rag/pg_identity.py).
 
 from __future__ import annotations
 
-import contextlib
-
-import psycopg
-
-from rag.errors import StoreError
+from retrieval.stores.pgvector.migrations import MigrationSet
+from retrieval.stores.pgvector.migrations import migrate as run_migrations
 from retrieval.stores.pgvector.schema import connect, mask_dsn
 
 _MIGRATION_LOCK = 0x7261675F696469  # "rag_idi": not the pgvector schema's lock
@@ -79,6 +76,7 @@ CREATE TRIGGER rag_audit_append_only BEFORE UPDATE OR DELETE OR TRUNCATE ON rag_
 ]
 
 LATEST = MIGRATIONS[-1][0]
+IDENTITY_STEPS = MigrationSet(MIGRATIONS, "rag_identity_schema_version", _MIGRATION_LOCK, "the rag identity tables")
 
 
 def migrate_identity(dsn: str) -> int:
@@ -91,44 +89,4 @@ def migrate_identity(dsn: str) -> int:
         StoreError: the server does not answer, or a newer version of this project migrated it.
     """
     with connect(dsn, autocommit=True) as conn:
-        version = _current_version(conn)
-        if version >= LATEST:
-            _check_not_newer(version, dsn)
-            return version
-        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
-        try:
-            with conn.transaction():
-                conn.execute(
-                    "CREATE TABLE IF NOT EXISTS rag_identity_schema_version ("
-                    " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-                )
-            # Read again under the lock: another process may have migrated while we waited.
-            version = _current_version(conn)
-            _check_not_newer(version, dsn)
-            for number, ddl in MIGRATIONS:
-                if number <= version:
-                    continue
-                with conn.transaction():
-                    conn.execute(ddl)
-                    conn.execute("INSERT INTO rag_identity_schema_version (version) VALUES (%s)", (number,))
-                version = number
-        except psycopg.Error as e:
-            raise StoreError(f"migrating the identity tables in {mask_dsn(dsn)} failed: {e}") from e
-        finally:
-            with contextlib.suppress(psycopg.Error):
-                conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
-    return version
-
-
-def _current_version(conn: psycopg.Connection) -> int:
-    if conn.execute("SELECT to_regclass('rag_identity_schema_version')").fetchone()[0] is None:
-        return 0
-    return int(conn.execute("SELECT coalesce(max(version), 0) FROM rag_identity_schema_version").fetchone()[0])
-
-
-def _check_not_newer(version: int, dsn: str) -> None:
-    if version > LATEST:
-        raise StoreError(
-            f"the rag identity tables in {mask_dsn(dsn)} are at version {version}, newer than this install "
-            f"knows ({LATEST}): upgrade rag on this machine"
-        )
+        return run_migrations(conn, IDENTITY_STEPS, mask_dsn(dsn))

@@ -20,6 +20,8 @@ from psycopg.types.json import Jsonb
 
 from rag.errors import NotFoundError, StoreError, StoreUnavailable
 from retrieval.records import GENERATION_SEP, CollectionInfo, generation_name
+from retrieval.stores.pgvector.migrations import MigrationSet
+from retrieval.stores.pgvector.migrations import migrate as run_migrations
 
 # Iterative index scans (`hnsw.iterative_scan`) arrived in pgvector 0.8.0: without them a
 # selective ACL filter could leave fewer than k hits after the index's ef_search candidates.
@@ -208,6 +210,7 @@ END $$;
 ]
 
 LATEST = MIGRATIONS[-1][0]
+SCHEMA_STEPS = MigrationSet(MIGRATIONS, "rag_schema_version", _MIGRATION_LOCK, "the rag schema")
 
 _json_dumps = partial(json.dumps, sort_keys=True, default=str)
 
@@ -223,35 +226,7 @@ def migrate(dsn: str) -> int:
             database was migrated by a newer version of this project.
     """
     with connect(dsn, autocommit=True) as conn:
-        version = _current_version(conn)
-        if version >= LATEST:
-            _check_not_newer(version, dsn)
-            return version
-        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
-        try:
-            ensure_pgvector(conn, dsn)
-            with conn.transaction():
-                conn.execute(
-                    "CREATE TABLE IF NOT EXISTS rag_schema_version ("
-                    " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-                )
-            # Read again under the lock: another process may have migrated while we waited.
-            version = _current_version(conn)
-            _check_not_newer(version, dsn)
-            for number, ddl in MIGRATIONS:
-                if number <= version:
-                    continue
-                with conn.transaction():
-                    conn.execute(ddl)
-                    conn.execute("INSERT INTO rag_schema_version (version) VALUES (%s)", (number,))
-                version = number
-        except psycopg.Error as e:
-            raise StoreError(f"migrating the rag schema in {mask_dsn(dsn)} failed: {e}") from e
-        finally:
-            # Closing the session releases the lock anyway; unlocking is a courtesy.
-            with contextlib.suppress(psycopg.Error):
-                conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
-    return version
+        return run_migrations(conn, SCHEMA_STEPS, mask_dsn(dsn), before=lambda c: ensure_pgvector(c, dsn))
 
 
 def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim: int,
@@ -471,15 +446,3 @@ def mask_dsn(dsn: str) -> str:
     return _KV_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***\2", dsn))
 
 
-def _current_version(conn: psycopg.Connection) -> int:
-    if conn.execute("SELECT to_regclass('rag_schema_version')").fetchone()[0] is None:
-        return 0
-    return int(conn.execute("SELECT coalesce(max(version), 0) FROM rag_schema_version").fetchone()[0])
-
-
-def _check_not_newer(version: int, dsn: str) -> None:
-    if version > LATEST:
-        raise StoreError(
-            f"the rag schema in {mask_dsn(dsn)} is at version {version}, newer than this install "
-            f"knows ({LATEST}): upgrade rag on this machine"
-        )
