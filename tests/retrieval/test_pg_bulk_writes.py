@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -261,8 +262,8 @@ def test_keyword_search_reads_the_collection_index_once_loaded_and_readable_chun
 def test_a_database_of_schema_4_migrates_with_its_loaded_and_half_loaded_collections(pg_dsn, monkeypatch):
     from retrieval.stores.pgvector import schema as pg_schema
 
-    monkeypatch.setattr(pg_schema, "MIGRATIONS", pg_schema.MIGRATIONS[:4])
-    monkeypatch.setattr(pg_schema, "LATEST", 4)
+    monkeypatch.setattr(pg_schema, "SCHEMA_STEPS",  # the schema as it was at version 4
+                        dataclasses.replace(pg_schema.SCHEMA_STEPS, migrations=pg_schema.MIGRATIONS[:4]))
     monkeypatch.setattr(bulk, "create_keyword_index", lambda conn, physical: None)  # schema 4 had none
     monkeypatch.setattr(bulk, "keyword_index_exists", lambda conn, physical: True)
     done = open_for_ingest(pg_dsn, "done", SPEC, batch_documents=4)

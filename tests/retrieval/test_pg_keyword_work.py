@@ -8,6 +8,8 @@ contain the searched identifier.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from psycopg import sql
@@ -94,8 +96,8 @@ def test_a_database_from_before_the_split_is_upgraded_with_its_chunks(pg_dsn, mo
     """Chunks written under schema 2 get their domain keys and domains when migration 3 runs."""
     from retrieval.stores.pgvector import schema as pg_schema
 
-    monkeypatch.setattr(pg_schema, "MIGRATIONS", pg_schema.MIGRATIONS[:2])
-    monkeypatch.setattr(pg_schema, "LATEST", 2)
+    monkeypatch.setattr(pg_schema, "SCHEMA_STEPS",  # the schema as it was at version 2
+                        dataclasses.replace(pg_schema.SCHEMA_STEPS, migrations=pg_schema.MIGRATIONS[:2]))
     monkeypatch.setattr(pg_schema, "create_keyword_index", lambda conn, physical: None)  # migration 5's
     monkeypatch.setattr(PgvectorCollection, "_add_keyword_domain", lambda self, conn, acl: None)  # as before the split
     old = create_collection(pg_dsn, "docs", "test-embedder", "fp", DIM, {})
