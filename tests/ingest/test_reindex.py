@@ -228,7 +228,10 @@ def test_a_killed_rebuild_resumes_into_the_same_version(tmp_path, embedder):
     reader = _rag(home, embedder)
     reader.ingest([corpus])
     old_rows = reader.catalog.dump("default")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAG_CHUNK_MAX_TOKENS": "48", "RAG_CHUNK_OVERLAP_TOKENS": "8"}
+    # Small embed batches: the catalog commits its documents at each batch's end, so with the
+    # default (256 chunks) the whole rebuild could land in one commit and leave no moment to kill.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAG_CHUNK_MAX_TOKENS": "48", "RAG_CHUNK_OVERLAP_TOKENS": "8",
+           "RAG_INGEST_BATCH_CHUNKS": "2"}
     cmd = RAG + ["--home", str(home), "ingest", str(corpus), "--json"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = time.monotonic()
