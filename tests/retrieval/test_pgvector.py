@@ -152,6 +152,27 @@ def test_set_acl_changes_visibility_not_vectors(coll):
         coll.set_acl("missing", frozenset({"public"}))
 
 
+def test_the_readable_count_is_reused_per_token_set_and_forgotten_on_writes(coll, monkeypatch):
+    # The exact-or-graph decision counts readable chunks; at 1M chunks that COUNT was most of a
+    # search's time, so it is reused per token set, and any write of this collection forgets it.
+    rng = np.random.default_rng(5)
+    _write(coll, "a", {"group:alpha"}, ["one", "two"], _unit(rng, 2))
+    counts: list[tuple[str, ...]] = []
+    real = coll._count_readable
+    monkeypatch.setattr(coll, "_count_readable", lambda conn, tokens, stop: counts.append(tuple(tokens))
+                        or real(conn, tokens, stop))
+    q = _unit(rng, 1)[0]
+    first = coll.search(q, 5, ["group:alpha"])
+    assert coll.search(q, 5, ["group:alpha"]) == first and len(first) == 2
+    assert coll.search(q, 5, ["group:beta"]) == []
+    assert counts == [("group:alpha",), ("group:beta",)]  # once per token set
+    _write(coll, "b", {"group:beta"}, ["three"], _unit(rng, 1))
+    assert len(coll.search(q, 5, ["group:beta"])) == 1  # the write forgot the count of zero
+    coll.set_acl("b", frozenset({"group:alpha"}))
+    assert coll.search(q, 5, ["group:beta"]) == [] and len(coll.search(q, 5, ["group:alpha"])) == 3
+    assert counts[2:] == [("group:beta",), ("group:beta",), ("group:alpha",)]
+
+
 def test_delete_document_and_collection_listing(coll, pg_dsn):
     rng = np.random.default_rng(3)
     _write(coll, "a", {"public"}, ["one", "two"], _unit(rng, 2))
