@@ -71,7 +71,8 @@ class Rag:
         # faiss_gpu "on" without faiss-gpu fails here, with the install hint; the setting is this
         # Rag's own (another Rag in the process may choose otherwise).
         self.stores = CollectionStores(settings.store, lambda: self.catalog, settings.index_dir, lambda: self.dsn,
-                                       faiss_gpu=settings.faiss_gpu)
+                                       faiss_gpu=settings.faiss_gpu,
+                                       pg_tuning={"index_memory_mb": settings.pg_index_memory_mb})
 
     async def aclose_generator(self) -> None:
         """Stop the generator from the event loop that used it (the API's lifespan calls this)."""

@@ -138,6 +138,11 @@ class Settings(BaseSettings):
     # (an error with the install hint without one); "off" keeps everything on the CPU. The saved
     # index is a CPU one either way.
     faiss_gpu: Literal["auto", "off", "on"] = "auto"
+    # store = "pgvector": the most maintenance_work_mem (MB) each index build after a bulk load may
+    # ask the server for (the HNSW graph and the keyword index, built side by side, so up to twice
+    # this at once). Below it, what the graph needs; an HNSW graph of 1M x 384-d chunks is ~2 GB,
+    # and one that does not fit is built far slower. Raise it where the server has the memory.
+    pg_index_memory_mb: int = Field(default=1024, ge=64, le=1_048_576)
     # Retrieval legs: dense (embeddings), keyword (BM25 / full text) or hybrid (both, RRF).
     mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
     host: str = "127.0.0.1"

@@ -43,6 +43,8 @@ class CollectionStores:
             indexes, live and rebuilt, build and search on a GPU; or a `GpuPlacement` to use as is
             (a chosen device; tests pass a CPU stand-in). Each set holds its own, so two in one
             process (two `Rag` objects in a notebook) never change each other's.
+        pg_tuning: keyword arguments for the pgvector collections ingest writes to (e.g.
+            `index_memory_mb`, the `pg_index_memory_mb` setting).
 
     Raises:
         ValueError: an unknown `faiss_gpu` mode.
@@ -50,8 +52,10 @@ class CollectionStores:
     """
 
     def __init__(self, kind: str, catalog: Callable[[], Catalog], index_dir: Path | None,
-                 dsn: Callable[[], str], faiss_gpu: str | GpuPlacement = "off") -> None:
+                 dsn: Callable[[], str], faiss_gpu: str | GpuPlacement = "off",
+                 pg_tuning: dict[str, int] | None = None) -> None:
         self.kind = kind
+        self._pg_tuning = dict(pg_tuning or {})
         self._catalog = catalog
         self._index_dir = index_dir
         self._dsn = dsn
@@ -88,7 +92,7 @@ class CollectionStores:
                 from retrieval.stores.pgvector.collection import PgvectorCollection
                 from retrieval.stores.pgvector.rebuild import open_for_ingest
 
-                target = open_for_ingest(self._dsn(), name, spec)
+                target = open_for_ingest(self._dsn(), name, spec, **self._pg_tuning)
                 if isinstance(target, PgvectorCollection):
                     if name in self._live:  # keep the open one (its connection); same generation
                         target.close()
