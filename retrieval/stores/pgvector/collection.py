@@ -59,6 +59,10 @@ _json_dumps = partial(json.dumps, sort_keys=True, default=str)
 # got recall@10 0.82-0.84 from the iterative graph scan at any ef_search, and 1.000 at 18.6 ms p50 /
 # 35.6 ms p99 from the exact path; with the count cached per token set the check is nearly free.
 EXACT_BELOW = 16_384
+# HNSW candidate list of a search. At 1M chunks (m 16, ef_construction 64; docs/benchmarks.md,
+# 2026-12-07) ef_search 100 gave recall@10 0.75 for principals reading 50% / 10%, 400 gave 0.92,
+# for 4.1 -> 6.2 ms p50 and 11 -> 19 ms p99.
+EF_SEARCH = 400
 # How long a token set's "at most EXACT_BELOW readable" answer is reused, and how many are kept.
 READABLE_TTL_S = 30.0
 READABLE_CACHE_SIZE = 4096
@@ -83,7 +87,7 @@ class PgvectorCollection:
 
     notice: str | None = None  # a plain collection, not a rebuild (see retrieval.base.CollectionStore)
 
-    def __init__(self, dsn: str, info: CollectionInfo, ef_search: int = 100,
+    def __init__(self, dsn: str, info: CollectionInfo, ef_search: int = EF_SEARCH,
                  max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW, follow_live: bool = True,
                  durable_commits: bool = False, batch_documents: int = 1,
                  batch_bytes: int = DEFAULT_BATCH_BYTES, index_memory_mb: int = DEFAULT_INDEX_MEMORY_MB) -> None:
