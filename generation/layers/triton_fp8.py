@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,25 +32,11 @@ MIN_SCALE = tl.constexpr(1e-12)
 MAX_ROWS = 16
 
 
-@dataclass(frozen=True)
-class Fp8SkinnyConfig(SkinnyConfig):
-    """A few-row config and how the kernel widens e4m3 weights to the activations' dtype.
-
-    "cvt": Triton's conversion (e4m3 -> fp32 -> bf16: two converts an element). "bits": integer
-    ops only: the e4m3 sign, exponent and mantissa bits moved into a bf16/fp16 bit pattern, which
-    reads as the weight times a power of two (2^-120 in bf16, 2^-8 in fp16, exact for every e4m3
-    value, subnormals included), undone in the fp32 epilogue. Which is faster is timed, not assumed.
-    """
-
-    dequant: str = "cvt"
-
-
 # The bf16 skinny matmul's winners (32 x 128, 6 stages) and the same bytes in flight with 1-byte
 # weights; then deeper K tiles: with half the bytes per element a tile of the bf16 kernel's shape
-# keeps half the bytes in flight, and on the H100 the first four reached only 2.0-2.7 TB/s of 3.1
-# (o_proj's 4,096 columns in 32-wide blocks are one program per SM). Each tile shape also with the
-# integer widening, in case the converts and not the loads set the pace.
-_TILES = (
+# keeps half the bytes in flight (on an H100 on 2026-12-07 the down projection, K = 14,336, took
+# 32 x 512 x 3; the other shapes kept 32 x 256 x 4).
+CANDIDATES = (
     SkinnyConfig(32, 128, 6),
     SkinnyConfig(32, 256, 4),
     SkinnyConfig(16, 256, 4),
@@ -61,14 +46,9 @@ _TILES = (
     SkinnyConfig(16, 1024, 3),
     SkinnyConfig(64, 256, 4, 8),
 )
-CANDIDATES = tuple(
-    Fp8SkinnyConfig(t.block_n, t.block_k, t.num_stages, t.num_warps, dequant)
-    for dequant in ("cvt", "bits")
-    for t in _TILES
-)
 
 # (N, K) -> the config that beat quantize + _scaled_mm at 1 and MAX_ROWS rows, or None.
-_choices: dict[tuple[int, int], Fp8SkinnyConfig | None] = {}
+_choices: dict[tuple[int, int], SkinnyConfig | None] = {}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,7 +108,6 @@ def scaled_mm_linear(
 def _fp8_skinny_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS: tl.constexpr, SHIFT: tl.constexpr, X_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr,
 ):  # fmt: skip
     # The bf16 skinny matmul with e4m3 weights: each weight tile is widened to x's dtype in
     # registers (exact: every e4m3 value is a bf16 value) and the channel scales applied to the
@@ -150,32 +129,14 @@ def _fp8_skinny_kernel(
             k_ok = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if BITS:
-            # w is the weight's bytes (uint8). Sign to bit 15, exponent and mantissa under x's
-            # dtype's exponent field: the pattern reads as w * 2^-120 (bf16) or w * 2^-8 (fp16).
-            # x is scaled up by an exact power of two so the fp32 sums stay far from subnormals;
-            # OUT_SCALE undoes both.
-            wi = w.to(tl.uint16)
-            bits = ((wi & 0x80) << 8) | ((wi & 0x7F) << SHIFT)
-            wx = bits.to(x_ptr.dtype.element_ty, bitcast=True)
-            if X_SCALE != 1.0:
-                x = (x.to(tl.float32) * X_SCALE).to(x_ptr.dtype.element_ty)
-            acc = tl.dot(x, wx, acc)
-        else:
-            acc = tl.dot(x, w.to(tl.float32).to(x_ptr.dtype.element_ty), acc)
+        acc = tl.dot(x, w.to(tl.float32).to(x_ptr.dtype.element_ty), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc = acc * (tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0) * OUT_SCALE)[None, :]
+    acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-# The "bits" widening per activation dtype: (mantissa shift, x's scale, the epilogue's factor).
-# bf16: exponent bias 127 vs e4m3's 7, so the pattern is w * 2^-120; x * 2^64 keeps the sums
-# (w * x * 2^-56) in fp32's normal range, and 2^56 restores them. fp16: bias 15, w * 2^-8.
-_BITS = {torch.bfloat16: (4, 2.0**64, 2.0**56), torch.float16: (7, 1.0, 2.0**8)}
 
 
 def fp8_skinny_gemm(
@@ -186,15 +147,11 @@ def fp8_skinny_gemm(
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    bits = getattr(config, "dequant", "cvt") == "bits"
-    shift, x_scale, out_scale = _BITS[x.dtype] if bits else (0, 1.0, 1.0)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _fp8_skinny_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight.view(torch.uint8) if bits else weight, weight_scale,
-        bias if bias is not None else weight_scale, out, m, n, k,
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BITS=bits, SHIFT=shift, X_SCALE=x_scale, OUT_SCALE=out_scale,
         num_stages=config.num_stages, num_warps=config.num_warps,
     )  # fmt: skip
     return out
@@ -247,8 +204,6 @@ def choose(layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) 
         for rows, x in xs.items():
             times[("cublas", rows)] = _time([functools.partial(scaled_mm_linear, x, w, s, None) for w, s in ws])
         for c in CANDIDATES:
-            if c.dequant == "bits" and dtype not in _BITS:
-                continue
             try:
                 for rows, x in xs.items():
                     # A config that compiles but computes something else must never serve.
@@ -258,7 +213,7 @@ def choose(layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) 
                 usable.append(c)
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is simply not a candidate
                 logger.warning("fp8 skinny config %s not usable on this GPU: %s: %s", c, type(exc).__name__, exc)
-        best: tuple[float, Fp8SkinnyConfig | None] = (float("inf"), None)
+        best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
         for c in usable:
             worst = max(times[(c, r)] / times[("cublas", r)] for r in (1, MAX_ROWS))
             if worst < 1.0 - MIN_GAIN and times[(c, 1)] < best[0]:
@@ -274,6 +229,6 @@ def choose(layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) 
         )  # fmt: skip
 
 
-def choices() -> dict[tuple[int, int], Fp8SkinnyConfig | None]:
+def choices() -> dict[tuple[int, int], SkinnyConfig | None]:
     """The measured choice per (N, K) so far (benchmarks print it)."""
     return dict(_choices)

@@ -84,17 +84,13 @@ def test_few_row_kernel_matches_the_reference(kernels, m, n, k):
 
 @pytest.mark.parametrize(("n", "k"), [SHAPES[1], SHAPES[4]])
 def test_few_row_kernel_with_fp16_activations_matches_the_reference(kernels, n, k):
-    # The "bits" widening depends on the activations' dtype (w * 2^-8 in fp16, 2^-120 in bf16).
+    # Weights widen to the activations' dtype: fp16 models take the same kernel.
     x, qw, sw = _case(4, n, k, seed=n, dtype=torch.float16)
     ref = fp8_weight_only_reference(x.cpu().float(), qw.cpu(), sw.cpu(), None)
     for config in kernels.CANDIDATES:
         out = kernels.fp8_skinny_gemm(x, qw, sw, None, config)
         assert out.dtype == torch.float16
         torch.testing.assert_close(out.float().cpu(), ref.to(torch.float16).float(), atol=1e-3, rtol=1 / 512)
-
-
-def test_every_widening_is_a_candidate(kernels):
-    assert {c.dequant for c in kernels.CANDIDATES} == {"cvt", "bits"}
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES[:4])
