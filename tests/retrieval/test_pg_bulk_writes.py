@@ -207,17 +207,16 @@ def test_index_memory_fits_the_graph_within_bounds():
 
 
 def test_the_index_memory_setting_reaches_the_collections_ingest_writes(pg_dsn, tmp_path):
+    from rag.pipeline import Rag
     from rag.settings import Settings
-    from retrieval.stores import CollectionStores
 
-    settings = Settings(home=tmp_path, store="pgvector", dsn=pg_dsn, pg_index_memory_mb=4096)
-    stores = CollectionStores("pgvector", lambda: None, None, lambda: pg_dsn,
-                              pg_tuning={"index_memory_mb": settings.pg_index_memory_mb})
-    target = stores.for_ingest("big", SPEC)
+    # Through Rag, as `rag ingest` builds its stores, so the setting's whole path is checked.
+    rag = Rag(Settings(home=tmp_path, store="pgvector", dsn=pg_dsn, pg_index_memory_mb=4096))
     try:
+        target = rag.stores.for_ingest("big", SPEC)
         assert target.index_memory_mb == 4096 and target._load.max_memory_mb == 4096
     finally:
-        target.close()
+        rag.close()
 
 
 # Migration 3's key function, the body of the `kw` column until migration 5 replaced it.
