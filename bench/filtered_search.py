@@ -4,6 +4,8 @@
     PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 20000  # quick look
     PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 1000000 --stores faiss-ivf,pgvector \
         --pg-maintenance-mem 5GB --pg-shared-buffers 3GB      # 1M: pgvector + Faiss IVF + exact, ~15 min
+    PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 200000 --stores pgvector \
+        --pg-m 24 --pg-ef-construction 128 --pg-ef-more 400     # another HNSW graph (m, ef_construction)
 
 Data: N random unit vectors (384-d), documents of 10 chunks each, every document in one of
 100 groups. Users hold 50, 10 and 1 groups (50%, 10%, 1% of the corpus). Each store is
@@ -14,7 +16,8 @@ ID selector) is the latency peer.
 Stores (`--stores`), each through our own code; the exact peer always runs:
 - faiss-hnsw: the embedded default's catalog (SQLite ACL table -> allow-list) + `HnswIndex`;
   "store only" times the vector search given the allow-list, "with catalog" adds the lookup.
-- faiss-ivf: `IvfIndex` alone (store only, ids 1..N; no catalog), sqrt(N) lists.
+- faiss-ivf: `IvfIndex` alone (store only, ids 1..N; no catalog); the build line prints its probe
+  table (measured at training) and each row the nprobe its filter got.
 - pgvector: `PgvectorCollection` (HNSW, ACL filter in the WHERE clause, iterative index scan).
 - pgvector, no iterative scan: the same SQL with `hnsw.iterative_scan = off`, to show why
   it matters: the index hands back its ef_search nearest rows and the filter then drops most.
@@ -59,12 +62,15 @@ SHARES = {"50%": 50, "10%": 10, "1%": 1}
 def make_data(n: int, dim: int, seed: int = 0):
     """Unit vectors: isotropic Gaussian, or clustered like sentence embeddings.
 
-    "clustered": 1,000 random topic directions, each vector a topic plus Gaussian noise of
-    the same norm (cosine to its topic ~0.7), queries drawn the same way. Groups are assigned
-    to documents independently of topics, so the ACL filter is uncorrelated with the vectors.
+    "clustered": `--topics` (1,000) random topic directions, each vector a topic plus Gaussian
+    noise of the same norm (cosine to its topic ~0.7), queries drawn the same way. Groups are
+    assigned to documents independently of topics, so the ACL filter is uncorrelated with the
+    vectors. Within a topic the vectors are isotropic noise, the hard case for a graph: recall
+    falls as a topic holds more of them, so a smaller N with fewer topics (200,000 over 200:
+    1,000 a topic) stands in for 1M over 1,000 when comparing HNSW graphs.
     """
     rng = np.random.default_rng(seed)
-    topics = rng.standard_normal((1000, dim)).astype(np.float32)
+    topics = rng.standard_normal((args.topics, dim)).astype(np.float32)
     topics /= np.linalg.norm(topics, axis=1, keepdims=True)
 
     def draw(m: int, batch: int = 100_000) -> np.ndarray:
@@ -165,7 +171,8 @@ def main() -> None:
     vecs, doc_group, queries = make_data(args.n, args.dim)
     chunk_group = np.repeat(doc_group, CHUNKS_PER_DOC)
     users = {share: [f"group:g{g}" for g in range(n)] for share, n in SHARES.items()}
-    print(f"# filtered search: {args.n:,} x {args.dim} random unit vectors ({args.data}), {GROUPS} groups, k={args.k}, "
+    data = f"{args.data}, {args.topics} topics" if args.data == "clustered" else args.data
+    print(f"# filtered search: {args.n:,} x {args.dim} random unit vectors ({data}), {GROUPS} groups, k={args.k}, "
           f"{args.queries} queries per user; stores: exact, {', '.join(sorted(stores))}")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{datetime.date.today().isoformat()}; data in {time.perf_counter() - started:.0f} s", flush=True)
@@ -192,8 +199,11 @@ def main() -> None:
         t = time.perf_counter()
         ivf = IvfIndex(args.dim)
         ivf.add(ids, vecs)
-        print(f"# faiss-ivf built in {time.perf_counter() - t:.0f} s (k-means + fill, {ivf.index.nlist} lists, "
-              f"exact below {ivf.exact_below:,} readable)", flush=True)
+        calibration = f", probe calibration {ivf.probes.seconds:.1f} s of it" if ivf.probes else ""
+        print(f"# faiss-ivf built in {time.perf_counter() - t:.0f} s (k-means + fill{calibration}, {ivf.index.nlist} "
+              f"lists, exact below {ivf.exact_below:,} readable)", flush=True)
+        if ivf.probes:
+            print(f"# faiss-ivf {ivf.probes.describe()}", flush=True)
     flat = FlatIndex(args.dim)
     flat.add(ids, vecs)
 
@@ -208,7 +218,9 @@ def main() -> None:
         rows.append(("exact (faiss flat + selector)", share, *exact))
         if ivf is not None:
             res, lat, paths = timed_paths(ivf, lambda q, a=allowed: ivf.search(q, args.k, a), queries)
-            rows.append((f"faiss-ivf, store only ({path_note(res, truth[share], paths)})", share,
+            probes = (f"nprobe {ivf._nprobe(ivf.count() / len(allowed))} of {ivf.index.nlist}, "
+                      if len(allowed) > ivf.exact_below else "")
+            rows.append((f"faiss-ivf, store only ({probes}{path_note(res, truth[share], paths)})", share,
                          *summary(res, truth[share], lat, args.k), exact[1]))
         if index is not None:
             store = index.vectors
@@ -261,8 +273,11 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
         tuning = {"max_scan_tuples": args.pg_max_scan}
         if args.pg_exact_below is not None:
             tuning["exact_below"] = args.pg_exact_below
+        # The graph parameters go to the store, whose CREATE INDEX (read back below) carries them.
+        graph = {k: v for k, v in (("hnsw_m", args.pg_m), ("hnsw_ef_construction", args.pg_ef_construction))
+                 if v is not None}
         coll = create_collection(dsn, "bench", "random", "random", args.dim, {}, ef_search=args.pg_ef,
-                                 batch_documents=args.pg_batch, **tuning)
+                                 batch_documents=args.pg_batch, **graph, **tuning)
         t = time.perf_counter()
         with psycopg.connect(dsn, autocommit=True) as conn:
             name = hnsw_index_name("bench")
@@ -280,7 +295,8 @@ def pg_rows(vecs, doc_group, queries, users, truth, ids, work, rows) -> None:
             conn.execute("ANALYZE rag_chunks")
             size = conn.execute("SELECT pg_size_pretty(pg_relation_size(%s::regclass)), "
                                 "pg_size_pretty(pg_table_size('rag_chunks'))", (name,)).fetchone()
-        print(f"# pgvector loaded in {loaded - t:.0f} s, HNSW built in {time.perf_counter() - loaded:.0f} s "
+        print(f"# pgvector loaded in {loaded - t:.0f} s, HNSW (m {coll.hnsw.m}, ef_construction "
+              f"{coll.hnsw.ef_construction}) built in {time.perf_counter() - loaded:.0f} s "
               f"(index {size[0]}, table {size[1]}; ef_search {args.pg_ef}, max_scan_tuples {args.pg_max_scan}, "
               f"exact below {coll.exact_below:,} readable)",
               flush=True)
@@ -331,11 +347,16 @@ if __name__ == "__main__":
     parser.add_argument("--data", choices=["clustered", "isotropic"], default="clustered",
                         help="isotropic Gaussian vectors are the worst case for graph indexes")
     parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--topics", type=int, default=1000,
+                        help="topic directions of the clustered data (vectors a topic: N / topics)")
     parser.add_argument("--faiss-ef", type=int, default=128, help="HnswIndex base efSearch (widened by selectivity)")
     parser.add_argument("--pg-ef", type=int, default=100, help="pgvector hnsw.ef_search")
     parser.add_argument("--pg-ef-more", default="",
                         help="comma list of further hnsw.ef_search values, measured with the iterative scan")
     parser.add_argument("--pg-max-scan", type=int, default=20_000, help="pgvector hnsw.max_scan_tuples")
+    parser.add_argument("--pg-m", type=int, help="pgvector HNSW m (default: the store's, as the pg_hnsw_m setting)")
+    parser.add_argument("--pg-ef-construction", type=int,
+                        help="pgvector HNSW ef_construction (default: the store's, as pg_hnsw_ef_construction)")
     parser.add_argument("--pg-exact-below", type=int,
                         help="pgvector: principals who may read at most this many chunks are searched exactly "
                              "(default: the store's)")

@@ -72,7 +72,9 @@ class Rag:
         # Rag's own (another Rag in the process may choose otherwise).
         self.stores = CollectionStores(settings.store, lambda: self.catalog, settings.index_dir, lambda: self.dsn,
                                        faiss_gpu=settings.faiss_gpu,
-                                       pg_tuning={"index_memory_mb": settings.pg_index_memory_mb})
+                                       pg_tuning={"index_memory_mb": settings.pg_index_memory_mb,
+                                                  "hnsw_m": settings.pg_hnsw_m,
+                                                  "hnsw_ef_construction": settings.pg_hnsw_ef_construction})
 
     async def aclose_generator(self) -> None:
         """Stop the generator from the event loop that used it (the API's lifespan calls this)."""

@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rag.errors import ConfigError
@@ -140,9 +140,17 @@ class Settings(BaseSettings):
     faiss_gpu: Literal["auto", "off", "on"] = "auto"
     # store = "pgvector": the most maintenance_work_mem (MB) each index build after a bulk load may
     # ask the server for (the HNSW graph and the keyword index, built side by side, so up to twice
-    # this at once). Below it, what the graph needs; an HNSW graph of 1M x 384-d chunks is ~2 GB,
-    # and one that does not fit is built far slower. Raise it where the server has the memory.
+    # this at once). Below it, what the graph needs; an HNSW graph of 1M x 384-d chunks is ~2.1 GB
+    # at pg_hnsw_m 16 (2.6 GB at 32), and one that does not fit is built far slower. Raise it
+    # where the server has the memory.
     pg_index_memory_mb: int = Field(default=1024, ge=64, le=1_048_576)
+    # store = "pgvector": the HNSW graph of each collection's vector index. `pg_hnsw_m`: links a
+    # chunk keeps (2m on the bottom layer; a larger index), `pg_hnsw_ef_construction`: candidates
+    # each insert weighs (at least 2 x m); both buy recall at a given search width for a slower
+    # build. Options of CREATE INDEX only: an existing index keeps what it was built with, and a
+    # new collection or the next version of one (a re-embed or re-chunk) is built with these.
+    pg_hnsw_m: int = Field(default=16, ge=2, le=100)
+    pg_hnsw_ef_construction: int = Field(default=64, ge=4, le=1000)
     # Retrieval legs: dense (embeddings), keyword (BM25 / full text) or hybrid (both, RRF).
     mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
     host: str = "127.0.0.1"
@@ -205,6 +213,13 @@ class Settings(BaseSettings):
     def _check_collection(cls, v: str) -> str:
         check_collection_name(v)
         return v
+
+    @model_validator(mode="after")
+    def _check_hnsw(self) -> Settings:
+        if self.pg_hnsw_ef_construction < 2 * self.pg_hnsw_m:
+            raise ValueError(f"pg_hnsw_ef_construction must be at least 2 x pg_hnsw_m = {2 * self.pg_hnsw_m} "
+                             f"(pgvector refuses less), got {self.pg_hnsw_ef_construction}")
+        return self
 
     def generator_key(self) -> str | None:
         """The remote generator's key: generator_api_key, else the first line of generator_api_key_file.
@@ -318,7 +333,9 @@ def load_settings(**overrides: Any) -> Settings:
 def _short_validation_error(e: ValueError) -> str:
     errors = getattr(e, "errors", None)
     if callable(errors):
+        # A check across fields (a model validator) has no location; its message names the fields.
         return "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in errors()
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else
+            err["msg"].removeprefix("Value error, ") for err in errors()
         )
     return str(e)

@@ -43,8 +43,10 @@ class CollectionStores:
             indexes, live and rebuilt, build and search on a GPU; or a `GpuPlacement` to use as is
             (a chosen device; tests pass a CPU stand-in). Each set holds its own, so two in one
             process (two `Rag` objects in a notebook) never change each other's.
-        pg_tuning: keyword arguments for the pgvector collections ingest writes to (e.g.
-            `index_memory_mb`, the `pg_index_memory_mb` setting).
+        pg_tuning: how the pgvector collections build their indexes (`index_memory_mb`, `hnsw_m`,
+            `hnsw_ef_construction`: the `pg_index_memory_mb`, `pg_hnsw_m` and
+            `pg_hnsw_ef_construction` settings), for the ones ingest writes to and the live ones
+            alike (an ingest into an open collection writes through the live one).
 
     Raises:
         ValueError: an unknown `faiss_gpu` mode.
@@ -139,7 +141,7 @@ class CollectionStores:
             if self.is_pgvector:
                 from retrieval.stores.pgvector.collection import open_collection
 
-                self._live[name] = open_collection(self._dsn(), name)
+                self._live[name] = open_collection(self._dsn(), name, **self._pg_tuning)
             else:
                 from retrieval.stores.embedded.collection import EmbeddedCollection
 

@@ -37,3 +37,18 @@ def test_bad_values_are_config_errors(monkeypatch, tmp_path):
     (tmp_path / "rag.toml").write_text("no_such_field = 1")
     with pytest.raises(ConfigError, match="no_such_field"):
         load_settings()
+
+
+def test_hnsw_graph_settings_are_checked_against_pgvectors_bounds(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAG_HOME", str(tmp_path))
+    monkeypatch.setenv("RAG_PG_HNSW_M", "24")
+    monkeypatch.setenv("RAG_PG_HNSW_EF_CONSTRUCTION", "100")
+    s = load_settings()
+    assert (s.pg_hnsw_m, s.pg_hnsw_ef_construction) == (24, 100)
+    with pytest.raises(ConfigError, match="pg_hnsw_m"):
+        load_settings(pg_hnsw_m=101)
+    with pytest.raises(ConfigError, match="pg_hnsw_ef_construction"):
+        load_settings(pg_hnsw_ef_construction=3)
+    # pgvector refuses ef_construction < 2 x m at CREATE INDEX, long after the ingest started: refused here.
+    with pytest.raises(ConfigError, match=r"pg_hnsw_ef_construction must be at least 2 x pg_hnsw_m = 64 .*got 63"):
+        load_settings(pg_hnsw_m=32, pg_hnsw_ef_construction=63)

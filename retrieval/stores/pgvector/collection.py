@@ -37,6 +37,7 @@ from retrieval.stores.pgvector.bulk import (
     write_documents,
 )
 from retrieval.stores.pgvector.schema import (  # noqa: F401 - list/drop re-exported: the collection API in one place
+    HnswParams,
     connect,
     drop_collection,
     ensure_collection,
@@ -90,7 +91,8 @@ class PgvectorCollection:
     def __init__(self, dsn: str, info: CollectionInfo, ef_search: int = EF_SEARCH,
                  max_scan_tuples: int = 20_000, exact_below: int = EXACT_BELOW, follow_live: bool = True,
                  durable_commits: bool = False, batch_documents: int = 1,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES, index_memory_mb: int = DEFAULT_INDEX_MEMORY_MB) -> None:
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, index_memory_mb: int = DEFAULT_INDEX_MEMORY_MB,
+                 hnsw_m: int = HnswParams.m, hnsw_ef_construction: int = HnswParams.ef_construction) -> None:
         """
         Args:
             dsn: libpq connection string or URL of a migrated database.
@@ -109,6 +111,12 @@ class PgvectorCollection:
                 (`rebuild.open_for_ingest`), and the buffered writes of a batch are committed
                 when it is full, at this store's next read, and by `flush`, `save` and `close`.
             index_memory_mb: the most `maintenance_work_mem` an HNSW build after a bulk load asks for.
+            hnsw_m, hnsw_ef_construction: the graph parameters of an HNSW index this store builds
+                (after a bulk load of a new collection or version; `schema.HnswParams`). An
+                index that exists keeps the values it was built with.
+
+        Raises:
+            ConfigError: a value out of its range.
         """
         if not 1 <= ef_search <= 1000 or max_scan_tuples < 1:
             raise ConfigError(
@@ -116,6 +124,7 @@ class PgvectorCollection:
         if batch_documents < 1 or batch_bytes < 1 or index_memory_mb < 64:
             raise ConfigError(f"batch_documents and batch_bytes must be >= 1 and index_memory_mb >= 64 (got "
                               f"{batch_documents}, {batch_bytes}, {index_memory_mb})")
+        self.hnsw = hnsw_params(hnsw_m, hnsw_ef_construction)
         self.dsn = dsn
         # A collection opened as the live one follows a switch to a new generation (refresh);
         # one opened as a build (pg_rebuild) stays on its generation.
@@ -139,7 +148,7 @@ class PgvectorCollection:
     def _bind(self, info: CollectionInfo) -> None:
         self.info = info
         self._forget_readable_counts()
-        self._load = IndexLoad(info.name, info.dim, self.index_memory_mb)
+        self._load = IndexLoad(info.name, info.dim, self.index_memory_mb, self.hnsw)
         self._literal = sql.Literal(info.name)  # the partial index matches only a literal predicate
         self._sql_approx = self._search_sql(exact=False)
         self._sql_exact = self._search_sql(exact=True)
@@ -533,15 +542,18 @@ def create_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim:
                       **tuning: int) -> PgvectorCollection:
     """Create a collection (and its HNSW index), or open an existing one built with the same embedder.
 
-    Migrates the database first. `tuning` goes to `PgvectorCollection` (ef_search, max_scan_tuples).
+    Migrates the database first. `tuning` goes to `PgvectorCollection` (ef_search, max_scan_tuples,
+    hnsw_m and hnsw_ef_construction: the graph of a new collection's index).
 
     Raises:
         StoreError: the server does not answer, or the collection exists with another embedder.
+        ConfigError: a tuning value out of its range.
     """
+    hnsw = hnsw_params(**tuning)
     migrate(dsn)
     with connect(dsn) as conn:
         live = find_live(conn, name)
-    info = live or ensure_collection(dsn, name, embedder, fingerprint, dim, chunking)
+    info = live or ensure_collection(dsn, name, embedder, fingerprint, dim, chunking, hnsw=hnsw)
     _check_embedder(info, embedder, fingerprint, dim)
     return PgvectorCollection(dsn, info, **tuning)
 
@@ -558,6 +570,16 @@ def open_collection(dsn: str, name: str, embedder: str | None = None, fingerprin
     info = get_collection(dsn, name)
     _check_embedder(info, embedder, fingerprint, dim)
     return PgvectorCollection(dsn, info, **tuning)
+
+
+def hnsw_params(hnsw_m: int = HnswParams.m, hnsw_ef_construction: int = HnswParams.ef_construction,
+                **other_tuning: object) -> HnswParams:
+    """The graph parameters of a store's `tuning` (`PgvectorCollection`'s keywords), or ConfigError
+    saying which value is out of range: for callers that create rows before they open the store."""
+    try:
+        return HnswParams(hnsw_m, hnsw_ef_construction)
+    except ValueError as e:
+        raise ConfigError(f"{e}: set pg_hnsw_m / pg_hnsw_ef_construction within pgvector's bounds") from e
 
 
 def public_name(info: CollectionInfo) -> str:

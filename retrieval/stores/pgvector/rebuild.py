@@ -18,7 +18,7 @@ import logging
 from retrieval.rebuild import CollectionBuild
 from retrieval.records import BuildOutcome, BuildSpec, DocumentState, describe
 from retrieval.stores.pgvector.bulk import DEFAULT_BATCH_DOCUMENTS
-from retrieval.stores.pgvector.collection import PgvectorCollection
+from retrieval.stores.pgvector.collection import PgvectorCollection, hnsw_params
 from retrieval.stores.pgvector.schema import (
     admin_connection,
     drop_generation,
@@ -112,6 +112,7 @@ def open_for_ingest(dsn: str, name: str, spec: BuildSpec, **tuning: int) -> Pgve
     collection or generation is loaded without its HNSW index, built once the load ends.
     """
     tuning = {"batch_documents": DEFAULT_BATCH_DOCUMENTS, **tuning}
+    hnsw_params(**tuning)  # refuse bad graph values before creating anything
     migrate(dsn)
     with admin_connection(dsn, f"opening collection {name!r}") as conn:
         live = find_live(conn, name)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import psycopg
@@ -30,6 +31,37 @@ MIN_PGVECTOR = (0, 8, 0)
 # pgvector's HNSW indexes `vector` up to 2,000 dimensions; wider collections are searched
 # exhaustively (still correct, just slower).
 MAX_HNSW_DIM = 2000
+
+# pgvector's bounds for an HNSW index's `m` and `ef_construction` (it refuses others).
+HNSW_M_RANGE = (2, 100)
+HNSW_EF_CONSTRUCTION_RANGE = (4, 1000)
+
+
+@dataclass(frozen=True)
+class HnswParams:
+    """How a collection's HNSW graph is built (pgvector's index options).
+
+    `m`: links a node keeps on each upper layer (2m on the bottom one); `ef_construction`: the
+    candidate list each insert searches for its neighbours, at least 2m (pgvector refuses less).
+    Both make a better graph (recall at a given `hnsw.ef_search`) for a slower build and, for
+    `m`, a larger index. They are options of the CREATE INDEX statement only: an index keeps
+    the values it was built with (stored in its `reloptions`), and an index built later (a new
+    collection, the next version of a rebuild) takes the values asked for then.
+    """
+
+    m: int = 16
+    ef_construction: int = 64
+
+    def __post_init__(self) -> None:
+        lo_m, hi_m = HNSW_M_RANGE
+        lo_ef, hi_ef = HNSW_EF_CONSTRUCTION_RANGE
+        for name, value, lo, hi in (("m", self.m, lo_m, hi_m), ("ef_construction", self.ef_construction, lo_ef, hi_ef)):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"HNSW {name} must be a whole number from {lo} to {hi}, got {value!r}")
+        if self.ef_construction < 2 * self.m:
+            raise ValueError(f"HNSW ef_construction must be at least 2 x m = {2 * self.m} "
+                             f"(got m {self.m}, ef_construction {self.ef_construction})")
+
 
 # Any constant unique to this project; pg_advisory_lock keys are one bigint.
 _MIGRATION_LOCK = 0x7261675F736368  # "rag_sch"
@@ -230,13 +262,15 @@ def migrate(dsn: str) -> int:
 
 
 def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim: int,
-                      chunking: dict, generation: int = 1, build_index: bool = True) -> CollectionInfo:
+                      chunking: dict, generation: int = 1, build_index: bool = True,
+                      hnsw: HnswParams = HnswParams()) -> CollectionInfo:
     """Create a collection with its HNSW index unless it exists; return what is stored (migrated `dsn`).
 
     Generation 1 is created live under its own name; a later generation G is created hidden, as
     `name@G`, for `pg_rebuild` to fill and switch to. Concurrent callers are safe: the loser of
     the insert race waits for the winner's commit. With `build_index` False the collection starts
-    without its keyword and HNSW indexes, for a bulk load that builds them at the end (`bulk.IndexLoad`).
+    without its keyword and HNSW indexes, for a bulk load that builds them at the end (`bulk.IndexLoad`);
+    otherwise its HNSW index is built with `hnsw` (an existing collection keeps the index it has).
     """
     if not name or dim <= 0 or GENERATION_SEP in name:
         raise StoreError(f"a collection needs a name without {GENERATION_SEP!r} and a positive dimension "
@@ -253,20 +287,34 @@ def ensure_collection(dsn: str, name: str, embedder: str, fingerprint: str, dim:
             # In the creating transaction, so such a collection never exists without its indexes.
             create_keyword_index(conn, physical)
             if dim <= MAX_HNSW_DIM:
-                create_hnsw_index(conn, physical, dim)
+                create_hnsw_index(conn, physical, dim, hnsw)
     return _info(dsn, physical)
 
 
-def create_hnsw_index(conn: psycopg.Connection, physical: str, dim: int) -> None:
-    """Build generation `physical`'s partial HNSW index (in the caller's transaction).
+def create_hnsw_index(conn: psycopg.Connection, physical: str, dim: int, hnsw: HnswParams) -> None:
+    """Build generation `physical`'s partial HNSW index with `hnsw` (in the caller's transaction).
 
     The build scans rag_chunks and blocks its writers (of every collection) meanwhile: instant
     on an empty collection, and after a bulk load it runs once, with the graph in memory.
     """
     conn.execute(sql.SQL(
         "CREATE INDEX IF NOT EXISTS {index} ON rag_chunks USING hnsw ((embedding::vector({dim})) vector_ip_ops)"
-        " WHERE collection = {name}"
-    ).format(index=sql.Identifier(hnsw_index_name(physical)), dim=sql.Literal(dim), name=sql.Literal(physical)))
+        " WITH (m = {m}, ef_construction = {ef}) WHERE collection = {name}"
+    ).format(index=sql.Identifier(hnsw_index_name(physical)), dim=sql.Literal(dim), m=sql.Literal(hnsw.m),
+             ef=sql.Literal(hnsw.ef_construction), name=sql.Literal(physical)))
+
+
+def hnsw_index_options(conn: psycopg.Connection, physical: str) -> HnswParams | None:
+    """The `m` and `ef_construction` generation `physical`'s HNSW index was built with (None: no index).
+
+    An index created without options (before they were settings) has pgvector's defaults, 16 and 64.
+    """
+    row = conn.execute("SELECT c.reloptions FROM pg_class c WHERE c.oid = to_regclass(%s)",
+                       (sql.Identifier(hnsw_index_name(physical)).as_string(conn),)).fetchone()
+    if row is None:
+        return None
+    options = dict(o.split("=", 1) for o in row[0] or [])
+    return HnswParams(int(options.get("m", 16)), int(options.get("ef_construction", 64)))
 
 
 def create_keyword_index(conn: psycopg.Connection, physical: str) -> None:
