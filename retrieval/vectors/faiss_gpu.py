@@ -211,6 +211,7 @@ class GpuIvfIndex(IvfIndex):
         self.trained_on = n
         self.num_gpu_builds += 1
         self.replica = on_device
+        self._calibrate()  # on the CPU copy: its searches honour the selector on any build
 
     def _after_add(self, labels: np.ndarray, vectors: np.ndarray) -> None:
         index_before = self.index
@@ -262,17 +263,13 @@ class GpuIvfIndex(IvfIndex):
         self.num_gpu_searches += 1
         return self._finish(scores[0][keep], found[0][keep])
 
-    def _nprobe(self, widen: float) -> int:
-        base = max(self.nprobe, self.index.nlist // 3)
-        return int(min(self.index.nlist, base * max(1.0, math.sqrt(widen))))
-
     @classmethod
     def load_with(cls, path, dim: int, device: Device, exact_below: int = EXACT_BELOW,
                   min_rows: int = AUTO_MIN_ROWS) -> GpuIvfIndex:
         """Load a saved IVF file (written by IvfIndex or GpuIvfIndex: the same CPU format)."""
         plain = IvfIndex.load(path, dim, exact_below)
         store = cls(dim, device, nprobe=plain.nprobe, exact_below=exact_below, min_rows=min_rows)
-        store.index, store.trained_on = plain.index, plain.trained_on
+        store.index, store.trained_on, store.probes = plain.index, plain.trained_on, plain.probes
         store._vecs, store._ext, store._live = plain._vecs, plain._ext, plain._live
         store._label_of = plain._label_of
         return store

@@ -82,8 +82,11 @@ def test_ivf_trains_once_big_enough_and_retrains_as_it_grows(data):
     ids, vecs, _ = data
     store = make_vector_index("faiss-ivf", DIM)
     store.add(ids[:500], vecs[:500])
-    assert not store.index.is_trained  # too few rows: exhaustive search only
+    assert not store.index.is_trained and store.probes is None  # too few rows: exhaustive search only
     store.add(ids[500:1500], vecs[500:1500])
     assert store.index.is_trained and store.trained_on == 1500
+    first = store.probes  # each training measures its probe table (retrieval/vectors/ivf_probes.py)
+    assert first is not None and max(first.nprobes) <= store.index.nlist
     store.add(ids[1500:], vecs[1500:])  # more than 4x: re-trained with more lists
     assert store.trained_on == N and store.index.ntotal == N
+    assert store.probes is not None and store.probes is not first

@@ -152,3 +152,28 @@ def test_no_leak_through_the_approximate_paths(kind, tmp_path):
     assert store.index.ntotal == store.count() == 52 * 25  # compacted (HNSW cannot delete otherwise)
     assert not isinstance(store, IvfIndex) or store.index.is_trained
     catalog.close()
+
+
+@pytest.mark.parametrize("kind", ANN_KINDS)
+@pytest.mark.parametrize("ids", [np.arange(2**63 - 1500, 2**63 - 1, dtype=np.int64),  # consecutive: looked up by offset
+                                 np.arange(-(2**63), -(2**63) + 3000, 2, dtype=np.int64),
+                                 np.random.default_rng(3).choice(2**62, 1499, replace=False) - 2**61])  # scattered
+def test_allow_list_translation_at_the_ends_of_int64(kind, ids):
+    """Allowed ids below, above and between the stored ones, at int64's extremes, repeated: only the
+    stored allowed ones come back, exact path and lists alike."""
+    rng = np.random.default_rng(4)
+    vecs = _unit(rng, len(ids))
+    store, ref = make_vector_index(kind, DIM, exact_below=0), MemoryIndex(DIM)
+    for s in (store, ref):
+        s.add(ids, vecs)
+        s.remove(ids[:7])
+    extremes = np.array([-(2**63), 2**63 - 1, 0, -1, max(int(ids.min()) - 1, -(2**63)),
+                         min(int(ids.max()) + 1, 2**63 - 1)], dtype=np.int64)
+    for allowed in (ids[::3], ids, np.concatenate([extremes, ids[1::5], ids[1::5]]), extremes, ids[:7]):
+        q = _unit(rng, 1)[0]
+        want = ref.search(q, 10, np.unique(allowed))  # the reference returns a repeated id twice
+        exact = store.search(q, 10, allowed, exact=True)
+        assert [i for i, _ in exact] == [i for i, _ in want]
+        assert np.allclose([s for _, s in exact], [s for _, s in want], atol=1e-5)
+        got = store.search(q, 10, allowed)
+        assert len(got) == len(want) and {i for i, _ in got} <= set(allowed.tolist()) - set(ids[:7].tolist())

@@ -120,6 +120,23 @@ def test_saved_file_is_a_cpu_ivf_index(tmp_path):
     assert again.num_gpu_searches == 1  # the replica was made from the loaded CPU index
 
 
+def test_the_device_build_measures_the_same_probe_table_and_files_keep_it(tmp_path):
+    """The probe policy is IvfIndex's: measured on the CPU copy after a device build (the stand-in
+    refuses selectors, so calibrating on the replica would fail), capped at MAX_DEPTH on the device."""
+    rng, ids, _, _, store = _stores(SelectorlessCpu())
+    assert store.probes is not None and store.probes.nprobes[0] >= 1
+    assert type(store)._nprobe is IvfIndex._nprobe
+    cpu = IvfIndex(DIM, exact_below=0)
+    cpu.add(ids, store._vecs[:len(ids)])
+    # same rows, same k-means, same seed: the measurement a CPU build makes
+    assert (cpu.probes.fractions, cpu.probes.nprobes) == (store.probes.fractions, store.probes.nprobes)
+    store.save(tmp_path / "c.ivf")
+    again = GpuIvfIndex.load_with(tmp_path / "c.ivf", DIM, SelectorlessCpu(), exact_below=0, min_rows=0)
+    assert again.probes == store.probes
+    q, allowed = _unit(rng, 1)[0], ids[::10]
+    assert len(again.search(q, 10, allowed)) == 10 and again.num_gpu_searches == 1
+
+
 def test_below_min_rows_stays_on_the_cpu():
     rng = np.random.default_rng(3)
     store = GpuIvfIndex(DIM, SelectorlessCpu(), exact_below=0, min_rows=10_000)
