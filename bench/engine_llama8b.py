@@ -692,6 +692,19 @@ def rag_prefill(llm: LLM, sizes: Sizes, args: argparse.Namespace, rand_prompt: C
                 f"{rate:,.0f} prompt tok/s, {si(achieved, 'FLOP/s')}{share}", tokens_per_s=rate,
                 seconds=dt, flops_per_s=achieved, flops_per_prompt=flops,
                 **({"share_of_peak": achieved / peak} if peak else {}))  # fmt: skip
+    if device.type == "cuda":
+        # Where the prefill's GPU time goes (item 5 of issue 32 tunes what this shows), over a
+        # sixth of the prompts, profiled on their own.
+        from engine_profile import prefill_shares
+
+        subset = prompts[: max(4, len(prompts) // 6)]
+        rows = prefill_shares(lambda: llm.generate(subset, params))
+        busy = sum(ms for _, ms, _ in rows)
+        print(f"rag-prefill GPU time by part ({len(subset)} prompts, {busy:.1f} ms busy): " + ", ".join(
+            f"{part} {ms:.1f} ms ({ms / busy * 100:.0f}%, {n} kernels)" for part, ms, n in rows), flush=True)
+        results.add("rag-prefill", "GPU time by part (profiled subset)", setting.label, ", ".join(
+            f"{part} {ms / busy * 100:.0f}%" for part, ms, _ in rows[:5]),
+            **{f"share_{part.split()[0].lower()}": ms / busy for part, ms, _ in rows})  # fmt: skip
 
 
 if __name__ == "__main__":

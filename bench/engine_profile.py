@@ -64,6 +64,44 @@ def kernel_breakdown(step, step_ms: float, floor_ms: float, reps: int = 10) -> N
         print(f"    {sum(times) / reps:8.1f} us  x{len(times) / reps:<4.0f} {name[:90]}")
 
 
+# Kernel-name patterns of a prefill profile, first match wins: which part of the step a kernel is.
+PREFILL_PARTS = (
+    ("fp8 activation quantize", r"quantize"),
+    ("attention", r"attn|attention|paged|flash|fmha|sdpa"),
+    ("matmul", r"gemm|matmul|cutlass|sm90|sm80|nvjet|cublas|_mm_|skinny|scaled_mm"),
+    ("norm", r"rms|norm"),
+    ("rotary + KV store", r"rotary|rope|kv_store|store_kv"),
+    ("SiLU-and-mul", r"silu"),
+)
+
+
+def prefill_shares(run, reps: int = 1) -> list[tuple[str, float, int]]:
+    """GPU time of `run` (a prefill workload) by part of the step: [(part, ms per run, kernels per run)].
+
+    Kernels are classified by name (PREFILL_PARTS); what matches no pattern is "other" (copies,
+    sampling, index arithmetic). Busy GPU time only: host gaps are not in the shares.
+    """
+    import re
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    parts: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        part = next((p for p, pattern in PREFILL_PARTS if re.search(pattern, name)), "other")
+        parts.setdefault(part, []).append(event.time_range.elapsed_us())
+    rows = [(part, sum(t) / reps / 1e3, round(len(t) / reps)) for part, t in parts.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def _sequences(llm: LLM, n: int, context: int, seed: int) -> list[Sequence]:
     rng = random.Random(seed)
     bm = llm.engine.block_manager
