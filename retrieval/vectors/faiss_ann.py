@@ -373,7 +373,7 @@ class IvfIndex(_AnnIndex):
 
     def _calibrate(self) -> None:
         """Measure the probe table on the trained CPU index (every row is live right after a build)."""
-        self.probes = calibrate(self.index, self._vecs, np.flatnonzero(self._live), self._selector,
+        self.probes = calibrate(self.index, self._vecs, np.flatnonzero(self._live),
                                 min_rows=max(self.exact_below, MIN_ROWS), seed=len(self._vecs))
 
     def _nprobe(self, widen: float) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 
+import faiss
 import numpy as np
 import pytest
 
-from retrieval.vectors import load_vector_index
+from retrieval.vectors import ivf_probes, load_vector_index
 from retrieval.vectors.faiss_ann import IvfIndex
-from retrieval.vectors.ivf_probes import FRACTIONS, ProbeTable
+from retrieval.vectors.ivf_probes import FRACTIONS, ProbeTable, list_ranks, lists_of, probes_needed
 
 DIM = 32
 N = 20_000  # 141 lists
@@ -93,6 +94,43 @@ def test_a_harder_corpus_gets_more_probes():
         store.add(np.arange(len(vecs)), vecs)
         widths.append(store.probes.nprobes[0])
     assert widths[0] < widths[1]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.2, 0.05])
+def test_counted_recall_is_what_filtered_searches_find(built, fraction):
+    """The table counts recall from list ranks instead of searching; real Faiss searches with the
+    selector, at several nprobe, find exactly the true neighbours it counts as found."""
+    _, ids, queries, store, vecs = built
+    rng = np.random.default_rng(5)
+    labels = np.sort(rng.choice(N, size=int(fraction * N), replace=False))
+    truth = np.array([labels[np.argsort(-(vecs[labels] @ q), kind="stable")[:10]] for q in queries])
+    need = probes_needed(list_ranks(store.index, queries), lists_of(store.index, N), truth)
+    for nprobe in (1, 3, 10, 30, store.index.nlist):
+        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=store._selector(labels))
+        _, found = store.index.search(queries, 10, params=params)
+        hit = (truth[:, :, None] == found[:, None, :]).any(axis=2)  # (queries, k): each true neighbour found?
+        assert np.array_equal(hit, need <= nprobe), nprobe
+
+
+def test_calibration_truth_is_exact_search_over_each_nested_allow_list(monkeypatch):
+    """The one-pass truth (chunks, thresholds, tiers) equals brute force per allow-list, own row left out."""
+    monkeypatch.setattr(ivf_probes, "CHUNK", 5000)  # several chunks after the first
+    rng = np.random.default_rng(9)
+    vecs, _ = _data("isotropic", 30_000, 1, seed=9)
+    labels = np.sort(rng.choice(40_000, size=30_000, replace=False))  # not every row: the gather path
+    rows = np.zeros((40_000, DIM), dtype=np.float32)
+    rows[labels] = vecs
+    source = rng.choice(labels, size=25, replace=False)
+    queries = rows[source] + 0.1 * _normed(rng.standard_normal((25, DIM)))
+    counts = [300, 3000, 30_000]
+    tier = np.searchsorted(counts, rng.permutation(30_000), side="right")
+    truth = ivf_probes._exact_truth(queries, source, rows, labels, tier, 3, 10)
+    for j in range(3):
+        allowed = labels[tier <= j]
+        for i, q in enumerate(queries):
+            scores = rows[allowed] @ q
+            scores[allowed == source[i]] = -np.inf
+            assert set(truth[j][i].tolist()) == set(allowed[np.argsort(-scores)[:10]].tolist()), (j, i)
 
 
 def test_lookup_takes_the_next_stricter_fraction_and_extrapolates_below():
