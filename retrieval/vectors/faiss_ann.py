@@ -376,13 +376,16 @@ class IvfIndex(_AnnIndex):
         self.probes = calibrate(self.index, self._vecs, np.flatnonzero(self._live),
                                 min_rows=max(self.exact_below, MIN_ROWS), seed=len(self._vecs))
 
-    def _nprobe(self, widen: float) -> int:
-        """Lists to probe for a filter that keeps 1 / widen of the live rows."""
+    def _nprobe(self, widen: float, k: int = 10) -> int:
+        """Lists to probe for the top k under a filter that keeps 1 / widen of the live rows."""
         nlist = self.index.nlist
         if self.probes is None:  # a file from before the table: at least a third of the lists
             base = max(self.nprobe, nlist // 3)
             return int(min(nlist, base * max(1.0, math.sqrt(widen))))
-        return int(min(nlist, max(self.nprobe, self.probes.nprobe_for(1.0 / widen))))
+        # The k-th readable neighbour at fraction f sits about where the table's k-th does at
+        # f * table.k / k: a deeper k is looked up as a stricter filter.
+        fraction = min(1.0, self.probes.k / k) / widen
+        return int(min(nlist, max(self.nprobe, self.probes.nprobe_for(fraction))))
 
     def _has_index(self) -> bool:
         return self.index.is_trained  # below MIN_TRAIN rows there are no lists to search
@@ -390,7 +393,7 @@ class IvfIndex(_AnnIndex):
     def _ann_search(self, query: np.ndarray, k: int, labels: np.ndarray, widen: float
                     ) -> list[tuple[int, float]]:
         assert self.index.is_trained
-        params = faiss.SearchParametersIVF(nprobe=self._nprobe(widen), sel=self._selector(labels))
+        params = faiss.SearchParametersIVF(nprobe=self._nprobe(widen, k), sel=self._selector(labels))
         scores, found = self.index.search(query, k, params=params)
         return self._finish(scores[0], found[0])
 

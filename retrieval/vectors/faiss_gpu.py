@@ -227,7 +227,7 @@ class GpuIvfIndex(IvfIndex):
             return super()._ann_search(query, k, labels, widen)
         if self.replica is None:  # loaded from a file, or grown past min_rows since the last build
             self.replica = self.device.to_device(self.index)
-        nprobe = min(MAX_DEPTH, self._nprobe(widen))
+        nprobe = min(MAX_DEPTH, self._nprobe(widen, k))
         if self.device.honours_selector:
             return self._selector_search(query, k, labels, nprobe)
         # Expect k * widen candidates to hold k readable ones; start at twice that.
