@@ -218,7 +218,7 @@ def main() -> None:
         rows.append(("exact (faiss flat + selector)", share, *exact))
         if ivf is not None:
             res, lat, paths = timed_paths(ivf, lambda q, a=allowed: ivf.search(q, args.k, a), queries)
-            probes = (f"nprobe {ivf._nprobe(ivf.count() / len(allowed))} of {ivf.index.nlist}, "
+            probes = (f"nprobe {ivf._nprobe(ivf.count() / len(allowed), args.k)} of {ivf.index.nlist}, "
                       if len(allowed) > ivf.exact_below else "")
             rows.append((f"faiss-ivf, store only ({probes}{path_note(res, truth[share], paths)})", share,
                          *summary(res, truth[share], lat, args.k), exact[1]))
