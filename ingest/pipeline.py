@@ -145,7 +145,8 @@ class IngestPipeline:
                  chunker: Chunker, batch_chunks: int = 256, namer: SourceNamer | None = None,
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
-                 stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1) -> None:
+                 stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1,
+                 overlap_embedding: bool = True) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -155,7 +156,9 @@ class IngestPipeline:
             batch_chunks: chunks embedded per call; parsed documents wait for the embedder until
                 their chunks fill a batch, so this bounds what a run holds besides stored states.
                 After each call its work is committed (`ingest.batch_commit`): a killed run
-                loses at most one batch.
+                loses at most the batches not yet written (with overlap, up to three).
+            overlap_embedding: embed each batch on a thread of its own while the run reads,
+                chunks and writes the others (False: one thing at a time; the same rows).
             max_document_bytes: sources larger than this are skipped and reported (0: no cap).
             staging_path: the SQLite file where a document's chunks wait until the last one is
                 embedded (durable, so a restart resumes inside a huge document); None keeps
@@ -172,6 +175,7 @@ class IngestPipeline:
         assert chunk_batch >= 1 and workers >= 1
         self.chunk_batch = chunk_batch
         self.workers = workers
+        self.overlap_embedding = overlap_embedding
         self.max_document_bytes = max_document_bytes
         self.staging_path = staging_path
         self.stream_above_bytes = stream_above_bytes
@@ -238,7 +242,8 @@ class IngestPipeline:
                 progress("tokens", counts.tokens_embedded, 0)
 
         committer = BatchCommitter(self.store, self.embed, self.batch_chunks, staging,
-                                   lambda entry: _count_written(entry, report), clock, on_batch)
+                                   lambda entry: _count_written(entry, report), clock, on_batch,
+                                   overlap=self.overlap_embedding)
         def wants_parse(item: SourceItem | SourceProblem) -> bool:
             if isinstance(item, SourceProblem) or not mine(item.key):
                 return False
@@ -246,8 +251,8 @@ class IngestPipeline:
             return (old is None or old.content_hash != item.content_hash) and not self._is_over_cap(item)
 
         walk = _timed(walk_sources(roots, namer=self.namer), clock, "scan")
-        # closing: the parse workers stop also when a write or the embedder fails
-        with contextlib.closing(self._parsed_ahead(walk, wants_parse, clock)) as ahead:
+        # closing: the parse workers and the embed thread stop also when a write or the embedder fails
+        with contextlib.closing(committer), contextlib.closing(self._parsed_ahead(walk, wants_parse, clock)) as ahead:
             for n, (item, parsed) in enumerate(ahead, 1):
                 is_hold = isinstance(item, SourceProblem) and item.covers != COVERS_SOURCE
                 if is_hold:
@@ -265,8 +270,8 @@ class IngestPipeline:
                     progress("ingest", n, max(total, n))
                 self.max_pending_chunks = max(self.max_pending_chunks, committer.waiting)
                 if committer.waiting >= self.batch_chunks:
-                    committer.flush()
-        committer.flush()
+                    committer.send()
+            committer.flush()
         report.chunks_embedded = committer.counts.chunks_embedded
         report.chunks_resumed = committer.counts.chunks_resumed
 
@@ -519,4 +524,8 @@ class _Clock:
         self._t = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds[self._stage] = self.seconds.get(self._stage, 0.0) + time.perf_counter() - self._t
+        self.add(self._stage, time.perf_counter() - self._t)
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Count time measured elsewhere (the embed thread's own clock) to a stage."""
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds

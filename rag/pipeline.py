@@ -202,7 +202,8 @@ class Rag:
             pipeline = IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer,
                                       guard=guard, max_document_bytes=self.settings.max_document_bytes,
                                       staging_path=staging, chunk_batch=chunk_batch,
-                                      workers=ingest_worker_count(self.settings.ingest_workers))  # fmt: skip
+                                      workers=ingest_worker_count(self.settings.ingest_workers),
+                                      overlap_embedding=self.settings.ingest_overlap_embedding)  # fmt: skip
             return pipeline.run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:

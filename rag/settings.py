@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     # inside a Slurm job; 1 parses in the ingest process itself. Needs ingest_chunk_batch > 1.
     # See `ingest_worker_count`.
     ingest_workers: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
+    # Embed each batch on a thread of its own while `rag ingest` reads, chunks and writes the
+    # others (on a GPU node the embedder otherwise waits for all of that); false does one thing
+    # at a time. The rows are the same either way.
+    ingest_overlap_embedding: bool = True
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
     # A mount that vanished looks like every file deleted; 1.0 turns the share check off.

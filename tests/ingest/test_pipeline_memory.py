@@ -74,14 +74,15 @@ def _store_records_as_unchanged(catalog: Catalog, collection: str, corpus: Path,
             catalog.replace_document(collection, doc, item.acl, [Chunk(item.key, 0, item.text or "", 5)], vector)
 
 
-def test_documents_are_written_while_the_walk_goes_on(tmp_path: Path, corpus: Path, embedder) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["embed-overlapped", "one-thing-at-a-time"])
+def test_documents_are_written_while_the_walk_goes_on(tmp_path: Path, corpus: Path, embedder, overlap: bool) -> None:
     catalog = Catalog(tmp_path / "catalog.sqlite")
     info = catalog.create_collection("c", embedder.name, embedder.fingerprint, embedder.dim,
                                      {"max_tokens": 200, "overlap_tokens": 32})
     _store_records_as_unchanged(catalog, "c", corpus, embedder.dim)
     index = EmbeddedCollection(catalog, info, tmp_path / "indexes")
     pipeline = IngestPipeline(index, embedder.embed, Chunker(embedder.tokenizer, ChunkingConfig()),
-                              batch_chunks=BATCH)
+                              batch_chunks=BATCH, overlap_embedding=overlap)
     walked: list[tuple[int, int]] = []  # (sources walked, of total) when each batch was written
     last = {"ingest": (0, 0)}
 
@@ -96,8 +97,11 @@ def test_documents_are_written_while_the_walk_goes_on(tmp_path: Path, corpus: Pa
     total = NUM_RECORDS + NUM_FILES
     assert report.ok and report.added == NUM_FILES and report.unchanged == NUM_RECORDS
     # The files come first in the walk (d*/ sorts before notes.jsonl), one chunk each: a batch
-    # is embedded and written as soon as BATCH documents wait, not when the walk ends.
-    assert [w for w, _ in walked] == [BATCH, 2 * BATCH, 3 * BATCH, total]
+    # is embedded and written as soon as BATCH documents wait, not when the walk ends. With the
+    # embedding overlapped, a batch is written when the next one goes to the embedder (the walk
+    # has gone one batch further), never later.
+    expected = [BATCH, 2 * BATCH, 3 * BATCH, total]
+    assert [w for w, _ in walked] == (expected[1:] + [total] if overlap else expected)
     assert all(t == total for _, t in walked)
     assert pipeline.max_pending_chunks == BATCH
     assert catalog.collection_stats("c") == {"documents": total, "chunks": total}

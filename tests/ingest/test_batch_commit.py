@@ -1,0 +1,235 @@
+"""The batch committer: overlapped embedding, and what it keeps when a document is dropped or the embedder fails.
+
+The store is a recording stand-in (this module's unit tests); the pipeline's own tests run the
+committer against the real catalog and embedder (tests/ingest/test_pipeline_memory.py,
+test_resume.py, and every ingest test, where overlap is the default).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ingest.batch_commit import BatchCommitter
+from ingest.chunk import Chunker, ChunkingConfig
+from ingest.pipeline import IngestPipeline
+from ingest.staging import ChunkStaging
+from rag.types import Chunk, Document
+from retrieval.stores.embedded.catalog import Catalog
+from retrieval.stores.embedded.collection import EmbeddedCollection
+from tests.ingest.test_chunk_batched import fake_embed
+
+DIM = 4
+
+
+class RecordingStore:
+    """What was written and when the store was flushed, in order."""
+
+    def __init__(self) -> None:
+        self.info = SimpleNamespace(dim=DIM)
+        self.events: list[tuple[str, str | None]] = []
+        self.rows: dict[str, tuple[list[str], np.ndarray]] = {}
+
+    def replace_document(self, doc: Document, acl: frozenset[str], chunks: list[Chunk], vectors: np.ndarray) -> None:
+        self.events.append(("write", doc.key))
+        self.rows[doc.key] = ([c.text for c in chunks], vectors)
+
+    def flush(self) -> None:
+        self.events.append(("flush", None))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        started = time.perf_counter()
+        yield
+        self.add(stage, time.perf_counter() - started)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+def vectors_of(texts) -> np.ndarray:
+    """A vector that says which text it belongs to (its length in the first column)."""
+    out = np.zeros((len(texts), DIM), dtype=np.float32)
+    out[:, 0] = [len(t) for t in texts]
+    return out
+
+
+def make(embed, store: RecordingStore, batch: int = 2, overlap: bool = True) -> BatchCommitter:
+    written: list[str] = []
+    committer = BatchCommitter(store, embed, batch, ChunkStaging(None, "scope"),
+                               lambda entry: written.append(entry.doc.key), Clock(), overlap=overlap)
+    committer.written = written  # type: ignore[attr-defined]
+    return committer
+
+
+def add_document(committer: BatchCommitter, key: str, texts: list[str]) -> int:
+    doc = Document(key=key, source=key, text=" ".join(texts), content_hash=f"h-{key}", acl=frozenset({"public"}))
+    committer.begin(doc, frozenset({"public"}), is_new=True)
+    for i, text in enumerate(texts):
+        committer.add(Chunk(key, i, text, len(text)))
+    return committer.end()
+
+
+def test_the_next_batch_is_read_while_one_is_embedded() -> None:
+    # The embedder holds the first batch until the caller has queued chunks of the next one:
+    # without overlap this could never happen (add would not return), so the wait times out.
+    store = RecordingStore()
+    queued_more = threading.Event()
+    calls: list[list[str]] = []
+
+    def embed(texts):
+        calls.append(list(texts))
+        if len(calls) == 1:
+            assert queued_more.wait(timeout=20), "the ingest did not go on while the batch was embedded"
+        return vectors_of(texts)
+
+    committer = make(embed, store)
+    add_document(committer, "a", ["a1", "a2"])
+    committer.send()  # batch 1 to the embedder; send returns at once
+    add_document(committer, "b", ["bb1"])
+    assert committer.waiting == 1 and store.events == []  # nothing written while batch 1 is out
+    queued_more.set()
+    committer.flush()
+    committer.close()
+    assert calls == [["a1", "a2"], ["bb1"]]
+    assert store.events == [("write", "a"), ("flush", None), ("write", "b"), ("flush", None)]
+    assert committer.written == ["a", "b"]
+    np.testing.assert_array_equal(store.rows["a"][1][:, 0], [2, 2])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_same_rows_with_and_without_overlap(overlap: bool) -> None:
+    # Documents spanning batches (staged, then completed) come out whole and in order both ways.
+    store = RecordingStore()
+    committer = make(vectors_of, store, batch=3, overlap=overlap)
+    docs = {"a": ["a"] * 5, "b": ["bb"], "c": ["ccc"] * 4, "d": ["dddd"] * 2}
+    for key, texts in docs.items():
+        add_document(committer, key, texts)
+        if committer.waiting >= 3:
+            committer.send()
+    committer.flush()
+    committer.close()
+    assert committer.written == list(docs)
+    for key, texts in docs.items():
+        assert store.rows[key][0] == texts
+        np.testing.assert_array_equal(store.rows[key][1][:, 0], [len(t) for t in texts])
+    assert committer.counts.chunks_embedded == sum(len(t) for t in docs.values())
+
+
+def test_a_document_dropped_while_its_chunks_are_embedded_is_neither_written_nor_staged() -> None:
+    store = RecordingStore()
+    release = threading.Event()
+
+    def embed(texts):
+        release.wait(timeout=20)
+        return vectors_of(texts)
+
+    committer = make(embed, store, batch=2)
+    doc = Document(key="x", source="x", text="", content_hash="h-x", acl=frozenset({"public"}))
+    committer.begin(doc, frozenset({"public"}), is_new=True)
+    committer.add(Chunk("x", 0, "x0", 2))
+    committer.add(Chunk("x", 1, "x1", 2))
+    committer.add(Chunk("x", 2, "x2", 2))  # the first two went to the embedder
+    committer.abort()  # a later block of x failed to parse
+    add_document(committer, "y", ["y0"])
+    release.set()
+    committer.flush()
+    committer.close()
+    assert committer.written == ["y"] and "x" not in store.rows
+    assert committer.staging.staged("x", "h-x") == {}
+
+
+def test_an_embedder_error_ends_the_run_at_the_next_batch_and_close_does_not_hang() -> None:
+    store = RecordingStore()
+
+    def embed(texts):
+        if "boom" in texts:
+            raise RuntimeError("CUDA error: out of memory")
+        return vectors_of(texts)
+
+    committer = make(embed, store, batch=1)
+    add_document(committer, "a", ["boom"])
+    committer.send()  # returns: the error is on the embed thread
+    add_document(committer, "b", ["fine"])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        committer.send()
+    committer.close()
+    assert "a" not in store.rows
+
+
+def test_the_embed_clock_is_the_embedders_time_and_the_wait_is_its_own_stage() -> None:
+    store = RecordingStore()
+
+    def slow(texts):
+        time.sleep(0.2)
+        return vectors_of(texts)
+
+    committer = make(slow, store, batch=1)
+    add_document(committer, "a", ["a"])
+    committer.flush()  # nothing else to do: the whole embedding is waited for
+    committer.close()
+    seconds = committer.clock.seconds
+    # The wait starts a moment after the embed thread does: most, not all, of the 0.2 s.
+    assert seconds["embed"] >= 0.2 and seconds["embed_wait"] >= 0.1 and "write" in seconds
+
+
+@pytest.mark.slow
+def test_lab_docs_store_the_same_rows_with_and_without_overlap(tokenizer, tmp_path) -> None:
+    pytest.importorskip("unstructured")
+    from tests.ingest.test_parse_pool import LAB_DOCS, _broken_corpus
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(LAB_DOCS, corpus)
+    _broken_corpus(corpus)
+    runs = []
+    for overlap in (True, False):
+        catalog = Catalog(tmp_path / f"catalog-{overlap}.sqlite")
+        info = catalog.create_collection("c", "fake", "fp", 8, ChunkingConfig().as_dict())
+        store = EmbeddedCollection(catalog, info, tmp_path / f"indexes-{overlap}")
+        # Small embed batches, so documents span batches and are staged while others are embedded.
+        pipeline = IngestPipeline(store, fake_embed, Chunker(tokenizer, ChunkingConfig()), batch_chunks=5,
+                                  chunk_batch=8, overlap_embedding=overlap)
+        report = pipeline.run([corpus])
+        rows = [{k: v.tobytes() if isinstance(v, np.ndarray) else v for k, v in r.items()} for r in catalog.dump("c")]
+        catalog.close()
+        runs.append((rows, [(p.key, p.reason) for p in report.problems], report.chunks_embedded))
+    assert len(runs[0][0]) > 50 and runs[0][1]
+    assert runs[1] == runs[0]  # rows (texts, ACLs, vectors), problems and chunk counts
+
+
+def test_the_setting_reaches_the_committer_of_rag_ingest(tmp_path, monkeypatch) -> None:
+    from ingest import pipeline as ingest_pipeline
+    from rag.pipeline import Rag
+    from rag.settings import Settings
+
+    seen: list[bool] = []
+
+    class Spy(BatchCommitter):
+        def __init__(self, *args, overlap: bool = True, **kwargs) -> None:
+            seen.append(overlap)
+            super().__init__(*args, overlap=overlap, **kwargs)
+
+    monkeypatch.setattr(ingest_pipeline, "BatchCommitter", Spy)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.md").write_text("# A\n\nsome text about pipettes\n")
+    (corpus / ".rag-acl.toml").write_text('allow = ["public"]\n')
+    for value in (False, True):
+        rag = Rag(Settings(home=tmp_path / f"home-{value}", ingest_overlap_embedding=value))
+        try:
+            report = rag.ingest([corpus])
+        finally:
+            rag.close()
+        assert report.added == 1
+    assert seen == [False, True]
