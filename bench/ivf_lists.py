@@ -6,8 +6,9 @@
 Each nlist builds an `IvfIndex` (k-means, fill, the probe table of retrieval/vectors/ivf_probes.py)
 over the same rows; then every query is searched through the store, one at a time, under a random
 allow-list of each fraction (uncorrelated with the vectors), with the nprobe the table gives (never
-below `--floor`). Recall@k is against exact search over the same readable rows; the peer is the
-store's own exact path over them (numpy), timed in the same run.
+below `--floor`), and with `--old-rule` also with the rule that preceded the table. Recall@k is
+against exact search over the same readable rows; the peer is the store's own exact path over them
+(numpy), timed in the same run.
 
 Data: unit vectors, clustered (a topic direction plus Gaussian noise of the same norm, cosine ~0.7;
 queries drawn the same way, never stored rows) or isotropic (no structure: IVF's worst case).
@@ -86,20 +87,25 @@ def main() -> None:
         build = time.perf_counter() - t
         print(f"# nlist {nlist}: built in {build:.1f} s (calibration {store.probes.seconds:.1f} s of it); "
               f"{store.probes.describe()}", flush=True)
+        table = store.probes
         for f in fractions:
-            got, lat = [], []
-            for q in queries:
-                t = time.perf_counter()
-                got.append(store.search(q, args.k, allowed[f]))
-                lat.append((time.perf_counter() - t) * 1000)
             exact_lat = []
             for q in queries[:args.exact_queries]:
                 t = time.perf_counter()
                 store.search(q, args.k, allowed[f], exact=True)
                 exact_lat.append((time.perf_counter() - t) * 1000)
-            recall = np.mean([len({i for i, _ in g} & t) / args.k for g, t in zip(got, truth[f], strict=True)])
-            rows.append((nlist, build, store.probes.seconds, f, store._nprobe(1 / f), recall, statistics.median(lat),
-                         float(np.percentile(lat, 99)), statistics.median(exact_lat)))
+            for policy in ("table", "old rule") if args.old_rule else ("table",):
+                store.probes = table if policy == "table" else None  # None: the rule of files without a table
+                got, lat = [], []
+                for q in queries:
+                    t = time.perf_counter()
+                    got.append(store.search(q, args.k, allowed[f]))
+                    lat.append((time.perf_counter() - t) * 1000)
+                recall = np.mean([len({i for i, _ in g} & t) / args.k for g, t in zip(got, truth[f], strict=True)])
+                rows.append((f"{nlist}{'' if policy == 'table' else ', old rule'}", build, table.seconds, f,
+                             store._nprobe(1 / f, args.k) if len(allowed[f]) > store.exact_below else "exact",
+                             recall, statistics.median(lat),
+                             float(np.percentile(lat, 99)), statistics.median(exact_lat)))
         del store
     print()
     print("| nlist | build s | calibration s | readable | nprobe | recall@10 | p50 ms | p99 ms | exact p50 ms "
@@ -123,5 +129,8 @@ if __name__ == "__main__":
     parser.add_argument("--nlists", default="447,894,1788", help="comma list of list counts")
     parser.add_argument("--fractions", default="0.5,0.1,0.02", help="readable fractions (random allow-lists)")
     parser.add_argument("--floor", type=int, default=32, help="IvfIndex nprobe (the floor under the table)")
+    parser.add_argument("--old-rule", action="store_true",
+                        help="also search with the rule of files without a table (a third of the lists, "
+                             "times sqrt(1 / fraction)), on the same index")
     args = parser.parse_args()
     main()
