@@ -26,7 +26,8 @@ class MemoryIndex:
     def search(self, query: np.ndarray, k: int, allowed: np.ndarray, exact: bool = False
                ) -> list[tuple[int, float]]:
         query = _check(query.reshape(1, -1), self.dim)[0]
-        ids = [int(i) for i in np.asarray(allowed, dtype=np.int64) if int(i) in self._vectors]
+        # A repeated allowed id is one candidate (it must not fill two of the k places).
+        ids = sorted({int(i) for i in np.asarray(allowed, dtype=np.int64)} & self._vectors.keys())
         if not ids or k <= 0:
             return []
         mat = np.stack([self._vectors[i] for i in ids])

@@ -90,3 +90,15 @@ def test_ivf_trains_once_big_enough_and_retrains_as_it_grows(data):
     store.add(ids[1500:], vecs[1500:])  # more than 4x: re-trained with more lists
     assert store.trained_on == N and store.index.ntotal == N
     assert store.probes is not None and store.probes is not first
+
+
+@pytest.mark.parametrize("kind", ["memory", "faiss", "faiss-hnsw", "faiss-ivf"])
+def test_a_repeated_allowed_id_is_one_hit(kind):
+    # The reference store once returned such an id twice, filling two of the k places.
+    rng = np.random.default_rng(11)
+    vecs = _unit(rng, 50)
+    store = MemoryIndex(DIM) if kind == "memory" else make_vector_index(kind, DIM)
+    store.add(np.arange(50, dtype=np.int64), vecs)
+    allowed = np.array([3, 3, 7, 7, 7, 9, 1000], dtype=np.int64)  # 1000: not stored
+    hits = store.search(vecs[3], 5, allowed)
+    assert sorted(i for i, _ in hits) == [3, 7, 9] and hits[0][0] == 3
