@@ -17,7 +17,10 @@ Rows, all measured in this run, on one throwaway PostgreSQL started like `rag db
   `--before-docs` documents only (it is slow), into an empty collection: its graph stays
   smaller than the others', which flatters it.
 - pgvector, bulk (after): what an ingest opens for a new collection (`open_for_ingest`):
-  `--batch` documents per transaction, no keyword or HNSW index until `save()` builds them.
+  `--batch` documents per transaction, no keyword or HNSW index until `save()` builds them
+  (the HNSW graph with the store's default m / ef_construction, or `--pg-m` / `--pg-ef-construction`).
+- pgvector, bulk with another graph (`--peer-graph M:EF`): the same load, its HNSW index built
+  with m M and ef_construction EF, to weigh a graph's build time in the same run.
 - Faiss + SQLite: the embedded default (`faiss` flat index, SQLite catalog with FTS5).
 - pgvector bulk, N tasks: N processes (a Slurm array's tasks) each writing 1/N of the corpus
   into one new collection at once; the wall time runs until the last one's `save()` returned
@@ -95,21 +98,29 @@ def timed_writes(store, docs: list) -> tuple[float, float]:
     return written - started, time.perf_counter() - written
 
 
+def graph(args: argparse.Namespace) -> dict[str, int]:
+    """The HNSW graph parameters asked for (none: the store's defaults)."""
+    return {k: v for k, v in (("hnsw_m", args.pg_m), ("hnsw_ef_construction", args.pg_ef_construction))
+            if v is not None}
+
+
 def pg_before(dsn: str, docs: list, args: argparse.Namespace) -> tuple[float, float]:
     from retrieval.stores.pgvector.collection import create_collection
 
     store = create_collection(dsn, "before", "bench-random-vectors", "bench-random-vectors", args.dim, CHUNKING,
-                              batch_documents=1)
+                              batch_documents=1, **graph(args))
     try:
         return timed_writes(store, docs)
     finally:
         store.close()
 
 
-def pg_bulk(dsn: str, name: str, docs: list, args: argparse.Namespace) -> tuple[float, float]:
+def pg_bulk(dsn: str, name: str, docs: list, args: argparse.Namespace,
+            hnsw: dict[str, int] | None = None) -> tuple[float, float]:
     from retrieval.stores.pgvector.rebuild import open_for_ingest
 
-    store = open_for_ingest(dsn, name, spec(args), batch_documents=args.batch)
+    store = open_for_ingest(dsn, name, spec(args), batch_documents=args.batch,
+                            **(graph(args) if hnsw is None else hnsw))
     try:
         return timed_writes(store, docs)
     finally:
@@ -160,6 +171,14 @@ def pg_tasks(dsn: str, args: argparse.Namespace) -> float:
     return max(ends) - started
 
 
+def graph_label(args: argparse.Namespace) -> str:
+    """The graph the bulk rows build ("m M, ef_construction EF"), as the store resolves it."""
+    from retrieval.stores.pgvector.collection import hnsw_params
+
+    hnsw = hnsw_params(**graph(args))
+    return f"m {hnsw.m}, ef_construction {hnsw.ef_construction}"
+
+
 def check_same_rows(dsn: str, a: str, b: str) -> None:
     """Two collections written the two ways hold the same documents, chunks, ACLs and vectors, and both indexes."""
     import psycopg
@@ -200,8 +219,15 @@ def main(args: argparse.Namespace) -> None:
             before = corpus[:args.before_docs]
             load, build = pg_before(dsn, before, args)
             rows.append(("pgvector, per document (before)", len(before), load, build))
+            label = graph_label(args)
             load, build = pg_bulk(dsn, "bulk", corpus, args)
-            rows.append((f"pgvector, bulk {args.batch}/transaction + indexes after (after)", len(corpus), load, build))
+            rows.append((f"pgvector, bulk {args.batch}/transaction + indexes after (after; HNSW {label})",
+                         len(corpus), load, build))
+            if args.peer_graph:
+                m, ef = (int(v) for v in args.peer_graph.split(":"))
+                load, build = pg_bulk(dsn, "bulk-peer", corpus, args, {"hnsw_m": m, "hnsw_ef_construction": ef})
+                rows.append((f"pgvector, bulk {args.batch}/transaction + indexes after (HNSW m {m}, "
+                             f"ef_construction {ef})", len(corpus), load, build))
             if args.check:
                 pg_bulk(dsn, "bulk-check", before, args)
                 check_same_rows(dsn, "bulk-check", "before")
@@ -239,4 +265,8 @@ if __name__ == "__main__":
     parser.add_argument("--before-docs", type=int, default=2_000, help="documents the per-document path writes")
     parser.add_argument("--tasks", type=int, default=8, help="concurrent writer processes (1: skip)")
     parser.add_argument("--check", action="store_true", help="also check bulk rows equal per-document rows")
+    parser.add_argument("--pg-m", type=int, help="HNSW m of every pgvector row (default: the store's)")
+    parser.add_argument("--pg-ef-construction", type=int, help="HNSW ef_construction (default: the store's)")
+    parser.add_argument("--peer-graph", metavar="M:EF",
+                        help="also time the bulk load with its HNSW index built with m M, ef_construction EF")
     main(parser.parse_args())

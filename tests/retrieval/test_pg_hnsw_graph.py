@@ -106,7 +106,7 @@ def test_an_ingest_through_the_open_live_collection_builds_a_missing_graph_with_
         rag.close()
 
 
-def test_a_collection_created_with_its_index_takes_the_values_given_or_pgvectors_defaults(pg_dsn):
+def test_a_collection_created_with_its_index_takes_the_values_given_or_the_stores_defaults(pg_dsn):
     store = create_collection(pg_dsn, "made", "test-embedder", "fp-1", DIM, {}, hnsw_m=12, hnsw_ef_construction=50)
     assert _graph(pg_dsn, "made")[0] == {"m": "12", "ef_construction": "50"}
     _load(store, range(3))  # writes after that go into the index incrementally
@@ -114,7 +114,7 @@ def test_a_collection_created_with_its_index_takes_the_values_given_or_pgvectors
         assert hnsw_index_options(conn, "made") == HnswParams(12, 50)
     store.close()
     plain = create_collection(pg_dsn, "plain", "test-embedder", "fp-1", DIM, {})
-    assert _graph(pg_dsn, "plain")[0] == {"m": "16", "ef_construction": "64"}
+    assert _graph(pg_dsn, "plain")[0] == {"m": "16", "ef_construction": "128"}
     plain.close()
     assert Settings().pg_hnsw_m == HnswParams.m and Settings().pg_hnsw_ef_construction == HnswParams.ef_construction
 

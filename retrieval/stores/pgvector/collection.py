@@ -60,9 +60,11 @@ _json_dumps = partial(json.dumps, sort_keys=True, default=str)
 # got recall@10 0.82-0.84 from the iterative graph scan at any ef_search, and 1.000 at 18.6 ms p50 /
 # 35.6 ms p99 from the exact path; with the count cached per token set the check is nearly free.
 EXACT_BELOW = 16_384
-# HNSW candidate list of a search. At 1M chunks (m 16, ef_construction 64; docs/benchmarks.md,
-# 2026-12-07) ef_search 100 gave recall@10 0.75 for principals reading 50% / 10%, 400 gave 0.92,
-# for 4.1 -> 6.2 ms p50 and 11 -> 19 ms p99.
+# HNSW candidate list of a search. At 1M chunks (docs/benchmarks.md, 2026-12-07), with a graph of
+# m 16, ef_construction 64, ef_search 100 gave recall@10 0.75 for principals reading 50% / 10%,
+# 400 gave 0.92, for 4.1 -> 6.2 ms p50 and 11 -> 19 ms p99; with the store's graph now
+# (ef_construction 128, schema.HnswParams) 100 gave 0.946 / 0.957, 200 and 400 0.996 / 0.995, p99
+# about 20 ms.
 EF_SEARCH = 400
 # How long a token set's "at most EXACT_BELOW readable" answer is reused, and how many are kept.
 READABLE_TTL_S = 30.0
