@@ -35,6 +35,21 @@ from retrieval.stores.embedded.catalog import Catalog
 pytestmark = pytest.mark.slow  # seven `rag ingest` processes, each loading torch: minutes
 
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
+# `rag`, stopped for a minute right after it logs that batch 2 was embedded, before anything of that
+# batch is written: a kill there lands in that window on any machine, not only when the test's
+# reading of the log outpaces the write (on a loaded CI machine it once did not).
+RAG_PAUSED_AFTER_BATCH_2 = [sys.executable, "-c", """
+import time
+from ingest import batch_commit
+from rag.cli import main
+logged = batch_commit.log.info
+def info(msg, *args):
+    logged(msg, *args)
+    if msg.startswith("embedded batch") and args and args[0] == 2:
+        time.sleep(60)
+batch_commit.log.info = info
+main()
+"""]
 # Chunks per embed call, committed after each (the CPU default is 256): smaller here, so the
 # big-document test embeds two batches of a shorter document, and each of its runs is quicker.
 BATCH_CHUNKS = 64
@@ -242,7 +257,8 @@ def test_killed_late_in_a_batch_of_a_big_document_redoes_at_most_that_batch(tmp_
 
     home = tmp_path / "killed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
-    proc = subprocess.Popen(RAG + ["--home", str(home), "--verbose", "ingest", str(corpus), "--json"], env=env,
+    proc = subprocess.Popen(RAG_PAUSED_AFTER_BATCH_2 + ["--home", str(home), "--verbose", "ingest", str(corpus),
+                                                        "--json"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     embedded = []  # (batch, chunks) as the killed run logged them
     assert proc.stderr is not None

@@ -515,13 +515,18 @@ class PgvectorCollection:
         # predicate: both are needed for the planner to pick this collection's HNSW index. The
         # inner ORDER BY is the distance alone so the index can serve it; relaxed_order may return
         # slightly out of order, so the outer query sorts, ties by id as the reference store does.
+        # The exact search computes the distance on the uncast column, an expression no index
+        # orders by: otherwise the planner may read the graph in distance order and only sort ties
+        # by id (an incremental sort), which is approximate; it did once sorts were costed high.
         inner_order = sql.SQL("distance, id" if exact else "distance")
+        vector = sql.SQL("embedding") if exact else sql.SQL("(embedding::vector({dim}))").format(
+            dim=sql.Literal(self.info.dim))
         return sql.SQL(
             "WITH hits AS MATERIALIZED ("
-            " SELECT id, (embedding::vector({dim})) <#> %(q)s::vector AS distance FROM rag_chunks"
+            " SELECT id, {vector} <#> %(q)s::vector AS distance FROM rag_chunks"
             " WHERE collection = {name} AND acl && %(tokens)s::text[] ORDER BY {order} LIMIT %(k)s)"
             " SELECT id, -distance FROM hits ORDER BY distance, id"
-        ).format(dim=sql.Literal(self.info.dim), name=self._literal, order=inner_order)
+        ).format(vector=vector, name=self._literal, order=inner_order)
 
     def _check_vectors(self, key: str, n: int, vectors: np.ndarray) -> np.ndarray:
         vectors = np.asarray(vectors, dtype=np.float32)
