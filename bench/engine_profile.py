@@ -39,21 +39,27 @@ def gpu_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def kernel_breakdown(step, step_ms: float, floor_ms: float, reps: int = 10) -> None:
-    """Print per-kernel GPU time of `step` (a graph replay) from the profiler's kernel records."""
+def kernel_times(run, reps: int) -> dict[str, list[float]]:
+    """GPU microseconds of every kernel `run` launches over `reps` runs, by kernel name (torch.profiler)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    step()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            step()
+            run()
         torch.cuda.synchronize()
-    per_kind: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kind.setdefault(event.name, []).append(event.time_range.elapsed_us())
+            times.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    return times
+
+
+def kernel_breakdown(step, step_ms: float, floor_ms: float, reps: int = 10) -> None:
+    """Print per-kernel GPU time of `step` (a graph replay) from the profiler's kernel records."""
+    step()
+    per_kind = kernel_times(step, reps)
     busy = sum(sum(t) for t in per_kind.values()) / reps / 1e3
     launches = sum(len(t) for t in per_kind.values()) / reps
     print(
@@ -83,21 +89,10 @@ def prefill_shares(run, reps: int = 1) -> list[tuple[str, float, int]]:
     """
     import re
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            run()
-        torch.cuda.synchronize()
     parts: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.name.lower()
-        part = next((p for p, pattern in PREFILL_PARTS if re.search(pattern, name)), "other")
-        parts.setdefault(part, []).append(event.time_range.elapsed_us())
+    for name, times in kernel_times(run, reps).items():
+        part = next((p for p, pattern in PREFILL_PARTS if re.search(pattern, name.lower())), "other")
+        parts.setdefault(part, []).extend(times)
     rows = [(part, sum(t) / reps / 1e3, round(len(t) / reps)) for part, t in parts.items()]
     return sorted(rows, key=lambda r: -r[1])
 
