@@ -32,6 +32,7 @@ from rag.errors import StoreError
 from rag.private_files import open_private
 from retrieval.vectors.ivf_probes import MIN_ROWS, ProbeTable, calibrate
 from retrieval.vectors.memory import _check
+from retrieval.vectors.row_sets import RowSet, next_generation, union
 
 # At or below this many allowed rows, exhaustive search over just those rows is exact and
 # costs about what a graph search of the width a filter this selective needs (a few ms).
@@ -60,6 +61,8 @@ class _AnnIndex:
         self._label_of: dict[int, int] = {}
         # (live ext ids sorted, their labels, and where the ids are dense: (first id, label by id - first id, -1 none))
         self._sorted: tuple[np.ndarray, np.ndarray, tuple[np.int64, np.ndarray] | None] | None = None
+        # Which rows are live and what their labels mean: a RowSet of another generation is remade.
+        self.generation = next_generation()
         self.index = self._new_index(0)
 
     @property
@@ -107,7 +110,7 @@ class _AnnIndex:
         """(Re)build the index over all live rows (labels renumbered first)."""
         raise NotImplementedError
 
-    def _ann_search(self, query: np.ndarray, k: int, labels: np.ndarray, widen: float
+    def _ann_search(self, query: np.ndarray, k: int, rows: RowSet, widen: float
                     ) -> list[tuple[int, float]]:
         raise NotImplementedError
 
@@ -144,7 +147,7 @@ class _AnnIndex:
         self._lbuf[start:start + m] = True
         self._n += m
         self._label_of.update(zip(ids.tolist(), labels.tolist(), strict=True))
-        self._sorted = None
+        self._rows_changed()
         self._after_add(labels, vectors)
 
     def remove(self, ids: np.ndarray) -> None:
@@ -152,7 +155,7 @@ class _AnnIndex:
         if not dead:
             return
         self._live[dead] = False
-        self._sorted = None
+        self._rows_changed()
         num_dead = len(self._live) - len(self._label_of)
         if num_dead > max(1024, len(self._label_of)):
             self._compact()
@@ -162,20 +165,27 @@ class _AnnIndex:
 
     def search(self, query: np.ndarray, k: int, allowed: np.ndarray, exact: bool = False
                ) -> list[tuple[int, float]]:
+        return self.search_rows(query, k, [self.rows_for(allowed)], exact)
+
+    def search_rows(self, query: np.ndarray, k: int, parts: list[RowSet], exact: bool = False
+                    ) -> list[tuple[int, float]]:
+        """`search` over the union of row sets made by `rows_for` (one per ACL token, kept by the
+        caller across queries); a set of an older generation is remade from its ids first."""
         query = _check(query.reshape(1, -1), self.dim)
-        labels = self._labels_for(np.asarray(allowed, dtype=np.int64))
-        if len(labels) == 0 or k <= 0:
+        parts = [p if p.generation == self.generation else self.rows_for(p.ids) for p in parts]
+        rows = union(parts, self.generation, self._n) if parts else None
+        if rows is None or rows.count == 0 or k <= 0:
             return []  # an empty allow-list must never mean "no filter"
-        want = min(k, len(labels))
-        if exact or len(labels) <= self.exact_below or not self._has_index():
+        want = min(k, rows.count)
+        if exact or rows.count <= self.exact_below or not self._has_index():
             self.num_exact_searches += 1
-            return self._exact(query[0], want, labels)
+            return self._exact(query[0], want, rows.sorted_labels())
         self._sync()
         self.num_approximate_searches += 1
-        hits = self._ann_search(query, want, labels, widen=len(self._label_of) / len(labels))
+        hits = self._ann_search(query, want, rows, widen=len(self._label_of) / rows.count)
         if len(hits) < want:
             self.num_fallbacks += 1
-            return self._exact(query[0], want, labels)
+            return self._exact(query[0], want, rows.sorted_labels())
         return hits
 
     # -- persistence -----------------------------------------------------------------------
@@ -224,8 +234,17 @@ class _AnnIndex:
         if start < len(self._vecs):
             self.index.add(self._vecs[start:])
 
-    def _labels_for(self, allowed: np.ndarray) -> np.ndarray:
-        """Live labels of the allowed external ids (unknown ids ignored), ascending."""
+    def _rows_changed(self) -> None:
+        self._sorted = None
+        self.generation = next_generation()
+
+    def rows_for(self, allowed: np.ndarray) -> RowSet:
+        """The live rows of the allowed external ids (unknown ids ignored), for this generation."""
+        allowed = np.asarray(allowed, dtype=np.int64)
+        return RowSet.of_labels(allowed, self.generation, self._n, self._labels_of(allowed))
+
+    def _labels_of(self, allowed: np.ndarray) -> np.ndarray:
+        """Live labels of the allowed external ids, in no order, repeated where an id is."""
         if self._sorted is None:
             live = np.flatnonzero(self._live)
             order = np.argsort(self._ext[live], kind="stable")
@@ -245,25 +264,15 @@ class _AnnIndex:
             first, by_offset = dense
             inside = allowed[(allowed >= first) & (allowed <= first + (len(by_offset) - 1))]  # no overflow below
             found = by_offset[inside - first]
-            found = found[found >= 0]
-        else:
-            pos = np.searchsorted(ext_sorted, allowed)
-            pos = np.clip(pos, 0, len(ext_sorted) - 1)
-            found = labels[pos[ext_sorted[pos] == allowed]]
-        if 64 * len(found) < self._n:
-            return np.unique(found)
-        # A broad allow-list: dedupe and sort through a bitmap over the rows, O(rows); np.unique
-        # (hashing, then sorting) took 290 ms of a 305 ms search for 500,000 of 1M ids.
-        mask = np.zeros(self._n, dtype=bool)
-        mask[found] = True
-        return np.flatnonzero(mask)
+            return found[found >= 0]
+        pos = np.searchsorted(ext_sorted, allowed)
+        pos = np.clip(pos, 0, len(ext_sorted) - 1)
+        return labels[pos[ext_sorted[pos] == allowed]]
 
-    def _selector(self, labels: np.ndarray) -> faiss.IDSelector:
-        """A bitmap over labels: built in O(rows / 8) with numpy, where IDSelectorBatch hashes each id."""
-        mask = np.zeros(self._n, dtype=bool)
-        mask[labels] = True
-        bits = np.packbits(mask, bitorder="little")  # Faiss reads bit (i & 7) of byte i >> 3
-        selector = faiss.IDSelectorBitmap(self._n, faiss.swig_ptr(bits))
+    def _selector(self, rows: RowSet) -> faiss.IDSelector:
+        """A bitmap over labels (the set's own when dense), where IDSelectorBatch hashes each id."""
+        bits = rows.packed()  # Faiss reads bit (i & 7) of byte i >> 3
+        selector = faiss.IDSelectorBitmap(rows.n, faiss.swig_ptr(bits))
         selector.keep_alive = bits  # the selector points into this buffer
         return selector
 
@@ -285,7 +294,7 @@ class _AnnIndex:
         self._ext = ext
         self._live = np.ones(len(live), dtype=bool)
         self._label_of = dict(zip(self._ext.tolist(), range(len(live)), strict=True))
-        self._sorted = None
+        self._rows_changed()
         self._train_and_fill()
 
 
@@ -309,12 +318,12 @@ class HnswIndex(_AnnIndex):
         if len(self._vecs):
             self.index.add(self._vecs)
 
-    def _ann_search(self, query: np.ndarray, k: int, labels: np.ndarray, widen: float
+    def _ann_search(self, query: np.ndarray, k: int, rows: RowSet, widen: float
                     ) -> list[tuple[int, float]]:
         # A filter that keeps a fraction f of the graph needs roughly 1/f more candidates
         # visited to collect the same number of allowed ones.
         ef = int(min(1024, max(self.ef_search, 2 * k) * min(widen, 64.0)))
-        params = faiss.SearchParametersHNSW(efSearch=ef, sel=self._selector(labels))
+        params = faiss.SearchParametersHNSW(efSearch=ef, sel=self._selector(rows))
         scores, found = self.index.search(query, k, params=params)
         return self._finish(scores[0], found[0])
 
@@ -390,10 +399,10 @@ class IvfIndex(_AnnIndex):
     def _has_index(self) -> bool:
         return self.index.is_trained  # below MIN_TRAIN rows there are no lists to search
 
-    def _ann_search(self, query: np.ndarray, k: int, labels: np.ndarray, widen: float
+    def _ann_search(self, query: np.ndarray, k: int, rows: RowSet, widen: float
                     ) -> list[tuple[int, float]]:
         assert self.index.is_trained
-        params = faiss.SearchParametersIVF(nprobe=self._nprobe(widen, k), sel=self._selector(labels))
+        params = faiss.SearchParametersIVF(nprobe=self._nprobe(widen, k), sel=self._selector(rows))
         scores, found = self.index.search(query, k, params=params)
         return self._finish(scores[0], found[0])
 

@@ -34,6 +34,7 @@ import numpy as np
 from rag.errors import ConfigError
 from retrieval.vectors import FAISS_GPU_MODES
 from retrieval.vectors.faiss_ann import EXACT_BELOW, IvfIndex
+from retrieval.vectors.row_sets import RowSet
 
 __all__ = ["FAISS_GPU_MODES", "Device", "FaissGpu", "GpuIvfIndex", "GpuPlacement", "SelectorlessCpu",
            "check_gpu", "gpu_available", "resolve_placement"]
@@ -221,19 +222,17 @@ class GpuIvfIndex(IvfIndex):
         if self.replica is not None and self.index is index_before and self.index.is_trained:
             self.replica.add_with_ids(vectors, labels)
 
-    def _ann_search(self, query: np.ndarray, k: int, labels: np.ndarray, widen: float
+    def _ann_search(self, query: np.ndarray, k: int, rows: RowSet, widen: float
                     ) -> list[tuple[int, float]]:
         if not self._uses_device():
-            return super()._ann_search(query, k, labels, widen)
+            return super()._ann_search(query, k, rows, widen)
         if self.replica is None:  # loaded from a file, or grown past min_rows since the last build
             self.replica = self.device.to_device(self.index)
         nprobe = min(MAX_DEPTH, self._nprobe(widen, k))
         if self.device.honours_selector:
-            return self._selector_search(query, k, labels, nprobe)
+            return self._selector_search(query, k, rows, nprobe)
         # Expect k * widen candidates to hold k readable ones; start at twice that.
         depth = k * max(2, math.ceil(2 * widen))
-        readable = np.zeros(self._n, dtype=bool)
-        readable[labels] = True
         first = True
         while depth <= MAX_DEPTH:
             if not first:
@@ -241,8 +240,7 @@ class GpuIvfIndex(IvfIndex):
             first = False
             scores, found = self.replica.search(query, depth, params=faiss.SearchParametersIVF(nprobe=nprobe))
             scores, found = scores[0], found[0]
-            keep = (found >= 0) & (found < self._n)
-            keep[keep] = readable[found[keep]]  # the ACL filter, applied to every GPU answer
+            keep = rows.contains(found)  # the ACL filter, applied to every GPU answer
             if keep.sum() >= k:
                 self.num_gpu_searches += 1
                 return self._finish(scores[keep], found[keep])[:k]
@@ -250,16 +248,13 @@ class GpuIvfIndex(IvfIndex):
                 break  # the probed lists hold fewer than `depth` rows: deeper finds nothing new
             depth *= 2
         self.num_gpu_fallbacks += 1
-        return super()._ann_search(query, k, labels, widen)
+        return super()._ann_search(query, k, rows, widen)
 
-    def _selector_search(self, query: np.ndarray, k: int, labels: np.ndarray, nprobe: int
+    def _selector_search(self, query: np.ndarray, k: int, rows: RowSet, nprobe: int
                          ) -> list[tuple[int, float]]:
-        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=self._selector(labels))
+        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=self._selector(rows))
         scores, found = self.replica.search(query, k, params=params)
-        readable = np.zeros(self._n, dtype=bool)
-        readable[labels] = True
-        keep = (found[0] >= 0) & (found[0] < self._n)
-        keep[keep] = readable[found[0][keep]]  # post-check: the device's filter is not trusted alone
+        keep = rows.contains(found[0])  # post-check: the device's filter is not trusted alone
         self.num_gpu_searches += 1
         return self._finish(scores[0][keep], found[0][keep])
 

@@ -88,8 +88,8 @@ def test_selective_filters_fall_back_to_the_cpu_selector():
 
 def test_the_stand_in_refuses_a_selector():
     """Were the index to pass its selector to a selector-less device, every search above would fail."""
-    _, _, _, _, store = _stores(SelectorlessCpu())
-    params = faiss.SearchParametersIVF(nprobe=4, sel=store._selector(np.arange(5)))
+    _, ids, _, _, store = _stores(SelectorlessCpu())
+    params = faiss.SearchParametersIVF(nprobe=4, sel=store._selector(store.rows_for(ids[:5])))
     with pytest.raises(RuntimeError, match="no ID selector"):
         store.replica.search(np.ones((1, DIM), dtype=np.float32), 5, params=params)
 

@@ -108,7 +108,7 @@ def test_counted_recall_is_what_filtered_searches_find(built, fraction):
     truth = np.array([labels[np.argsort(-(vecs[labels] @ q), kind="stable")[:10]] for q in queries])
     need = probes_needed(list_ranks(store.index, queries), lists_of(store.index, N), truth)
     for nprobe in (1, 3, 10, 30, store.index.nlist):
-        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=store._selector(labels))
+        params = faiss.SearchParametersIVF(nprobe=nprobe, sel=store._selector(store.rows_for(store._ext[labels])))
         _, found = store.index.search(queries, 10, params=params)
         hit = (truth[:, :, None] == found[:, None, :]).any(axis=2)  # (queries, k): each true neighbour found?
         assert np.array_equal(hit, need <= nprobe), nprobe

@@ -31,6 +31,7 @@ from retrieval.base import VectorIndex
 from retrieval.records import ChunkRecord, CollectionInfo, DocumentState
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.vectors import load_vector_index, make_vector_index
+from retrieval.vectors.row_sets import RowSet, unique_sorted
 
 if TYPE_CHECKING:
     from retrieval.vectors.faiss_gpu import GpuPlacement
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 _SUFFIX = {"faiss": "faiss", "faiss-hnsw": "hnsw", "faiss-ivf": "ivf"}
 # Queued vector writes applied in one call: bounds the queue (~6 MB of 384-d vectors).
 _BULK = 4096
+# Cached allow-lists (ids and index rows per ACL token) above this are dropped: at 10M chunks one
+# broad token holds up to 80 MB of ids and a 1.25 MB bitmap.
+_CACHE_BYTES = 512 << 20
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +74,11 @@ class EmbeddedCollection:
         # keyword search, a query) see it at once, as before batching existed.
         self.batch_writes = False
         # Allowed chunk ids per ACL token, valid for one catalog version: a user's groups are
-        # looked up once per change of the collection, not on every query.
+        # looked up once per change of the collection, not on every query. An approximate index
+        # also gets each token's ids translated to its rows once (`retrieval.vectors.row_sets`).
         self._allowed_cache: dict[str, np.ndarray] = {}
+        self._rows_cache: dict[str, RowSet] = {}
+        self._cached_bytes = 0
         self._allowed_version = -1
         self.refresh()
 
@@ -184,25 +191,54 @@ class EmbeddedCollection:
                exact: bool = False) -> list[tuple[int, float]]:
         # The allow-list comes from the catalog's ACL table and goes into the vector search
         # as an ID selector: chunks outside it are never scored.
-        return self.vectors.search(query, k, self.allowed_ids(tokens), exact=exact)
+        vectors = self.vectors
+        if hasattr(vectors, "search_rows"):  # an approximate index: rows per token, cached
+            return vectors.search_rows(query, k, [self._rows(token, vectors) for token in sorted(set(tokens))],
+                                       exact=exact)
+        return vectors.search(query, k, self.allowed_ids(tokens), exact=exact)
 
     def allowed_ids(self, tokens: Sequence[str]) -> np.ndarray:
         """Sorted chunk ids whose document ACL names one of `tokens` (in the loaded version)."""
-        if self._allowed_version != self.loaded_version:
-            self._allowed_cache.clear()
-            self._allowed_version = self.loaded_version
-        parts = []
-        for token in sorted(set(tokens)):
-            ids = self._allowed_cache.get(token)
-            if ids is None:
-                ids = self.catalog.allowed_chunk_ids(self.name, [token])
-                if len(self._allowed_cache) > 4096:  # many distinct users: keep memory bounded
-                    self._allowed_cache.clear()
-                self._allowed_cache[token] = ids
-            parts.append(ids)
+        parts = [self._ids(token) for token in sorted(set(tokens))]
         if not parts:
             return np.empty(0, dtype=np.int64)
-        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+        return parts[0] if len(parts) == 1 else unique_sorted(np.concatenate(parts))
+
+    def _ids(self, token: str) -> np.ndarray:
+        self._check_cache()
+        ids = self._allowed_cache.get(token)
+        if ids is None:
+            ids = self.catalog.allowed_chunk_ids(self.name, [token])
+            self._remember(self._allowed_cache, token, ids, ids.nbytes)
+        return ids
+
+    def _rows(self, token: str, vectors) -> RowSet:
+        """The token's rows in `vectors`, remade when the index changed since they were cached."""
+        ids = self._ids(token)
+        rows = self._rows_cache.get(token)
+        if rows is None or rows.generation != vectors.generation:
+            rows = vectors.rows_for(ids)
+            self._remember(self._rows_cache, token, rows, rows.nbytes - ids.nbytes)
+        return rows
+
+    def _check_cache(self) -> None:
+        if self._allowed_version != self.loaded_version:
+            self._clear_cache()
+            self._allowed_version = self.loaded_version
+
+    def _clear_cache(self) -> None:
+        self._allowed_cache.clear()
+        self._rows_cache.clear()
+        self._cached_bytes = 0
+
+    def _remember(self, cache: dict, token: str, value, nbytes: int) -> None:
+        # Many distinct users, or a few broad tokens over a very large collection: keep memory bounded.
+        if len(self._allowed_cache) + len(self._rows_cache) > 8192 or self._cached_bytes + nbytes > _CACHE_BYTES:
+            self._clear_cache()
+            if cache is self._rows_cache:  # the ids it was made from must stay cached with it
+                self._allowed_cache[token] = value.ids
+        cache[token] = value
+        self._cached_bytes += max(nbytes, 0)
 
     def keyword_search(self, text: str, k: int, tokens: Sequence[str]) -> list[tuple[int, float]]:
         return self.catalog.keyword_search(self.name, text, k, tokens)
