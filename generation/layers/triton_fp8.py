@@ -45,6 +45,12 @@ CANDIDATES = (
     SkinnyConfig(32, 512, 3),
     SkinnyConfig(16, 1024, 3),
     SkinnyConfig(64, 256, 4, 8),
+    # Split over K: o and down have 128 column blocks of 32 (one program per SM, 3-6 tiles in flight
+    # each) and qkv 192 (1.45 waves); two or four programs per block put more bytes in flight.
+    SkinnyConfig(32, 256, 4, split_k=2),
+    SkinnyConfig(32, 256, 4, split_k=4),
+    SkinnyConfig(64, 256, 4, 8, split_k=2),
+    SkinnyConfig(32, 512, 3, split_k=2),
 )
 
 # (N, K) -> the config that beat quantize + _scaled_mm at 1 and MAX_ROWS rows, or None.
@@ -106,37 +112,62 @@ def scaled_mm_linear(
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_skinny_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # The bf16 skinny matmul with e4m3 weights: each weight tile is widened to x's dtype in
     # registers (exact: every e4m3 value is a bf16 value) and the channel scales applied to the
     # fp32 sums. Half the bytes of bf16 weights per step, and x is not quantized at all.
+    # With SPLIT_K > 1, program (n, s) sums K_SPLIT columns of K from s * K_SPLIT and writes its
+    # fp32 sums unscaled to partials [SPLIT_K, M, N] (out_ptr); _split_k_reduce_kernel finishes.
     BLOCK_M: tl.constexpr = 16
+    split = tl.program_id(1)
+    k_start = split * K_SPLIT  # K_SPLIT is a multiple of BLOCK_K
+    k_len = tl.minimum(K - k_start, K_SPLIT)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < K - k * BLOCK_K
+            k_ok = offs_k < k_len - k * BLOCK_K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(x, w.to(tl.float32).to(x_ptr.dtype.element_ty), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + (split * M + offs_m[:, None]) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_reduce_kernel(
+    p_ptr, ws_ptr, b_ptr, out_ptr, M, N, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # out[m] = (sum over splits of partials[s, m]) * channel scale (+ bias): the split kernel's epilogue.
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + (s * M + row) * N + offs, mask=ok, other=0.0)
+    acc = acc * tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def fp8_skinny_gemm(
@@ -148,12 +179,23 @@ def fp8_skinny_gemm(
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _fp8_skinny_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_stages=config.num_stages, num_warps=config.num_warps,
+    split = config.split_k
+    k_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
+    # Partial sums when split: fp32 [split, m, n] (64 KB at 16 rows of 4,096 columns, split 4).
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else weight_scale
+    _fp8_skinny_kernel[(triton.cdiv(n, config.block_n), split)](
+        x, weight, weight_scale, bias_arg, target, m, n, k, k_split,
+        x.stride(0), weight.stride(0), target.stride(-2),
+        HAS_BIAS=bias is not None, EVEN_K=k % (config.block_k * split) == 0, SPLIT_K=split,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_stages=config.num_stages, num_warps=config.num_warps,
     )  # fmt: skip
+    if split > 1 and m:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            target, weight_scale, bias_arg, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 

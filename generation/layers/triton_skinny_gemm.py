@@ -28,6 +28,7 @@ class SkinnyConfig:
     block_k: int
     num_stages: int
     num_warps: int = 4
+    split_k: int = 1  # programs per column block, each over a slice of K (the FP8 kernel only)
 
 
 # Narrow column blocks give many programs (several resident per SM, so waves stay even); deep
