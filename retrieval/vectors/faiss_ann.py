@@ -170,9 +170,9 @@ class _AnnIndex:
     def search_rows(self, query: np.ndarray, k: int, parts: list[RowSet], exact: bool = False
                     ) -> list[tuple[int, float]]:
         """`search` over the union of row sets made by `rows_for` (one per ACL token, kept by the
-        caller across queries); a set of an older generation is remade from its ids first."""
+        caller across queries, or their union); a set of an older generation is remade first."""
         query = _check(query.reshape(1, -1), self.dim)
-        parts = [p if p.generation == self.generation else self.rows_for(p.ids) for p in parts]
+        parts = [self._current(p) for p in parts]
         rows = union(parts, self.generation, self._n) if parts else None
         if rows is None or rows.count == 0 or k <= 0:
             return []  # an empty allow-list must never mean "no filter"
@@ -233,6 +233,14 @@ class _AnnIndex:
         start = self.index.ntotal
         if start < len(self._vecs):
             self.index.add(self._vecs[start:])
+
+    def _current(self, rows: RowSet) -> RowSet:
+        """`rows` if of this generation, else remade: from its ids, or a union from its parts."""
+        if rows.generation == self.generation:
+            return rows
+        if rows.parts:
+            return union([self._current(p) for p in rows.parts], self.generation, self._n)
+        return self.rows_for(rows.ids)
 
     def _rows_changed(self) -> None:
         self._sorted = None

@@ -8,7 +8,7 @@ bitmap (a bitwise OR of 1.25 MB per token at 10M rows, ~0.05 ms).
 
 A `RowSet` is only valid for the row generation of the index that made it (labels are renumbered by a
 compaction, and an add or a remove changes which labels are live); the index remakes a stale one
-from the ids it keeps, so a stale set can cost time but never admit a row.
+from the ids it keeps (a union from its parts), so a stale set can cost time but never admit a row.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def set_bits(bits: np.ndarray, labels: np.ndarray) -> None:
 class RowSet:
     """Live rows [0, n) of one index generation, as sorted labels (sparse) or a packed bitmap (dense).
 
-    `ids` are the external ids it was made from, kept so that a stale set can be remade.
+    `ids` are the external ids it was made from, or for a union its `parts`: what a stale set is
+    remade from.
     """
 
     ids: np.ndarray
@@ -73,11 +74,13 @@ class RowSet:
     count: int
     labels: np.ndarray | None = None  # sorted, distinct
     bits: np.ndarray | None = None  # little-endian packed, ceil(n / 8) bytes
+    parts: tuple[RowSet, ...] = ()  # a union's parts (references, no copies)
 
     @staticmethod
     def dense_enough(count: int, n: int) -> bool:
-        """A bitmap (n / 8 bytes) is no larger than the labels (8 bytes each) from n / 64 rows on."""
-        return 64 * count >= n
+        """A bitmap from n / 256 rows on: at most 4x the labels' bytes (8 each), and a union ORs
+        bitmaps ~5x faster than it scatters labels (50 groups of 1% of 10M rows: 5.6 ms against 25)."""
+        return 256 * count >= n
 
     @classmethod
     def of_labels(cls, ids: np.ndarray, generation: int, n: int, labels: np.ndarray) -> RowSet:
@@ -118,7 +121,8 @@ class RowSet:
 
     @property
     def nbytes(self) -> int:
-        return self.ids.nbytes + (self.labels.nbytes if self.labels is not None else 0) + (
+        """Bytes of its own (the ids and a union's parts are counted where they are cached)."""
+        return (self.labels.nbytes if self.labels is not None else 0) + (
             self.bits.nbytes if self.bits is not None else 0)
 
 
@@ -128,15 +132,15 @@ def union(parts: Sequence[RowSet], generation: int, n: int) -> RowSet:
         raise ValueError("row sets of another index generation cannot be combined")
     if len(parts) == 1:
         return parts[0]
-    ids = np.empty(0, dtype=np.int64)  # a union is never remade: its parts are
+    ids = np.empty(0, dtype=np.int64)  # a union is remade from its parts
     sparse = [p.labels for p in parts if p.labels is not None and len(p.labels)]
     dense = [p.bits for p in parts if p.bits is not None]
     if not dense and not RowSet.dense_enough(sum(len(s) for s in sparse), n):
         labels = unique_sorted(np.concatenate(sparse)) if sparse else np.empty(0, dtype=np.int64)
-        return RowSet(ids, generation, n, len(labels), labels=labels)
+        return RowSet(ids, generation, n, len(labels), labels=labels, parts=tuple(parts))
     bits = np.zeros((n + 7) // 8, dtype=np.uint8)
     for part in dense:
         np.bitwise_or(bits, part, out=bits)
-    for labels in sparse:
-        set_bits(bits, labels)
-    return RowSet(ids, generation, n, popcount(bits), bits=bits)
+    if sparse:
+        set_bits(bits, np.concatenate(sparse))
+    return RowSet(ids, generation, n, popcount(bits), bits=bits, parts=tuple(parts))

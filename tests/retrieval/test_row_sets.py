@@ -40,14 +40,14 @@ def test_unique_sorted_on_random_ids():
     assert np.array_equal(unique_sorted(a), np.unique(a))
 
 
-@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 500, 1000])
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 15, 16, 17, 500, 1000])
 def test_sparse_and_dense_sets_hold_exactly_their_labels(count):
     n = 1003  # not a multiple of 8: the last byte is partial
     rng = np.random.default_rng(count)
     labels = rng.choice(n, size=count, replace=False)
     given = np.concatenate([labels, labels[: count // 2]])  # repeats, as from an allow-list with repeats
     rows = RowSet.of_labels(np.empty(0, np.int64), 1, n, given)
-    assert (rows.bits is not None) == (64 * len(given) >= n)  # 16 labels of 1003 rows: a bitmap
+    assert (rows.bits is not None) == (256 * len(given) >= n)  # 4 labels of 1003 rows: a bitmap
     assert rows.count == count
     assert rows.sorted_labels().tolist() == sorted(labels.tolist())
     probe = np.arange(-5, n + 20)  # outside [0, n) is never contained
@@ -60,14 +60,16 @@ def test_sparse_and_dense_sets_hold_exactly_their_labels(count):
 def test_union_mixes_sparse_and_dense_parts():
     n = 5000
     rng = np.random.default_rng(1)
-    picks = [rng.choice(n, size=s, replace=False) for s in (3, 40, 900, 2500, 0)]
+    picks = [rng.choice(n, size=s, replace=False) for s in (3, 12, 40, 900, 2500, 0)]
     parts = [RowSet.of_labels(np.empty(0, np.int64), 7, n, p) for p in picks]
-    assert [p.bits is not None for p in parts] == [False, False, True, True, False]
-    for subset in ([0], [0, 1], [0, 1, 4], [2, 3], [0, 2], [0, 1, 2, 3, 4], [4]):
+    assert [p.bits is not None for p in parts] == [False, False, True, True, True, False]
+    for subset in ([0], [0, 1], [0, 1, 5], [2, 3], [0, 2], [0, 1, 2, 3, 4, 5], [5], [3, 4], [1, 4]):
         want = set().union(*(set(picks[i].tolist()) for i in subset))
         got = union([parts[i] for i in subset], 7, n)
         assert got.count == len(want)
         assert set(got.sorted_labels().tolist()) == want
+        if len(subset) > 1:
+            assert got.parts == tuple(parts[i] for i in subset)  # what a stale union is remade from
 
 
 def test_union_refuses_sets_of_another_generation():
@@ -137,12 +139,15 @@ def test_a_stale_set_never_admits_a_row(make, data):
     store.add(replaced, new_vecs)
     ref.add(replaced, new_vecs)
     assert all(p.generation != store.generation for p in stale)
+    stale_union = union(stale, stale[0].generation, stale[0].n)  # as the collection caches it
     for q in queries:
-        got = store.search_rows(q, 10, stale, exact=True)
-        assert got == ref.search(q, 10, readable)
-        approx = store.search_rows(q, 10, stale)
-        assert len(approx) == 10 and not {i for i, _ in approx} & set(gone.tolist())
-        assert {i for i, _ in approx} <= set(readable.tolist())
+        want = ref.search(q, 10, readable)
+        assert store.search_rows(q, 10, stale, exact=True) == want
+        assert store.search_rows(q, 10, [stale_union], exact=True) == want
+        for given in (stale, [stale_union]):
+            approx = store.search_rows(q, 10, given)
+            assert len(approx) == 10 and not {i for i, _ in approx} & set(gone.tolist())
+            assert {i for i, _ in approx} <= set(readable.tolist())
 
 
 def test_a_reloaded_index_does_not_take_another_instances_sets(data, tmp_path):
@@ -197,10 +202,11 @@ def test_the_collection_caches_rows_per_token_and_follows_acl_changes(ivf_collec
     alice = store_filter(Principal("alice", frozenset({"g1", "g2"})))
     assert _groups(coll, coll.search(q, 50, alice)) == {"g1", "g2"}
     assert coll.vectors.num_approximate_searches == 1  # exact_below=0: the lists, with the union's bitmap
-    cached = dict(coll._rows_cache)
-    assert {"group:g1", "group:g2"} <= cached.keys()
+    cached, unions = dict(coll._rows_cache), dict(coll._union_cache)
+    assert {"group:g1", "group:g2"} <= cached.keys() and tuple(sorted(alice)) in unions
     coll.search(q, 50, alice)
     assert all(coll._rows_cache[t] is cached[t] for t in cached)  # made once, reused
+    assert all(coll._union_cache[t] is unions[t] for t in unions)
     # An ACL change without re-embedding: g1's documents go to g9; alice must lose them at once.
     for i in range(1, 3000, 10):
         coll.set_acl(f"d{i}", frozenset({"group:g9"}))

@@ -31,7 +31,7 @@ from retrieval.base import VectorIndex
 from retrieval.records import ChunkRecord, CollectionInfo, DocumentState
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.vectors import load_vector_index, make_vector_index
-from retrieval.vectors.row_sets import RowSet, unique_sorted
+from retrieval.vectors.row_sets import RowSet, union, unique_sorted
 
 if TYPE_CHECKING:
     from retrieval.vectors.faiss_gpu import GpuPlacement
@@ -78,6 +78,7 @@ class EmbeddedCollection:
         # also gets each token's ids translated to its rows once (`retrieval.vectors.row_sets`).
         self._allowed_cache: dict[str, np.ndarray] = {}
         self._rows_cache: dict[str, RowSet] = {}
+        self._union_cache: dict[tuple[str, ...], RowSet] = {}  # a principal's tokens -> their rows
         self._cached_bytes = 0
         self._allowed_version = -1
         self.refresh()
@@ -192,8 +193,8 @@ class EmbeddedCollection:
         # The allow-list comes from the catalog's ACL table and goes into the vector search
         # as an ID selector: chunks outside it are never scored.
         vectors = self.vectors
-        if hasattr(vectors, "search_rows"):  # an approximate index: rows per token, cached
-            return vectors.search_rows(query, k, [self._rows(token, vectors) for token in sorted(set(tokens))],
+        if hasattr(vectors, "search_rows"):  # an approximate index: rows per token and principal, cached
+            return vectors.search_rows(query, k, self._principal_rows(tuple(sorted(set(tokens))), vectors),
                                        exact=exact)
         return vectors.search(query, k, self.allowed_ids(tokens), exact=exact)
 
@@ -212,13 +213,25 @@ class EmbeddedCollection:
             self._remember(self._allowed_cache, token, ids, ids.nbytes)
         return ids
 
+    def _principal_rows(self, tokens: tuple[str, ...], vectors) -> list[RowSet]:
+        """The rows of `tokens` as one set: the union is cached per token tuple, since the same
+        principals ask again (50 groups of 10M rows: 5.6 ms to OR their bitmaps)."""
+        parts = [self._rows(token, vectors) for token in tokens]
+        if len(parts) < 2:
+            return parts
+        rows = self._union_cache.get(tokens)
+        if rows is None or rows.generation != vectors.generation:
+            rows = union(parts, parts[0].generation, parts[0].n)
+            self._remember(self._union_cache, tokens, rows, rows.nbytes)
+        return [rows]
+
     def _rows(self, token: str, vectors) -> RowSet:
         """The token's rows in `vectors`, remade when the index changed since they were cached."""
         ids = self._ids(token)
         rows = self._rows_cache.get(token)
         if rows is None or rows.generation != vectors.generation:
             rows = vectors.rows_for(ids)
-            self._remember(self._rows_cache, token, rows, rows.nbytes - ids.nbytes)
+            self._remember(self._rows_cache, token, rows, rows.nbytes)
         return rows
 
     def _check_cache(self) -> None:
@@ -229,16 +242,17 @@ class EmbeddedCollection:
     def _clear_cache(self) -> None:
         self._allowed_cache.clear()
         self._rows_cache.clear()
+        self._union_cache.clear()
         self._cached_bytes = 0
 
-    def _remember(self, cache: dict, token: str, value, nbytes: int) -> None:
-        # Many distinct users, or a few broad tokens over a very large collection: keep memory bounded.
-        if len(self._allowed_cache) + len(self._rows_cache) > 8192 or self._cached_bytes + nbytes > _CACHE_BYTES:
+    def _remember(self, cache: dict, key, value, nbytes: int) -> None:
+        # Many distinct users, or a few broad tokens over a very large collection: keep memory
+        # bounded by starting over (the caller holds what it is using; the next queries refill).
+        entries = len(self._allowed_cache) + len(self._rows_cache) + len(self._union_cache)
+        if entries >= 8192 or self._cached_bytes + nbytes > _CACHE_BYTES:
             self._clear_cache()
-            if cache is self._rows_cache:  # the ids it was made from must stay cached with it
-                self._allowed_cache[token] = value.ids
-        cache[token] = value
-        self._cached_bytes += max(nbytes, 0)
+        cache[key] = value
+        self._cached_bytes += nbytes
 
     def keyword_search(self, text: str, k: int, tokens: Sequence[str]) -> list[tuple[int, float]]:
         return self.catalog.keyword_search(self.name, text, k, tokens)
