@@ -692,6 +692,25 @@ def rag_prefill(llm: LLM, sizes: Sizes, args: argparse.Namespace, rand_prompt: C
                 f"{rate:,.0f} prompt tok/s, {si(achieved, 'FLOP/s')}{share}", tokens_per_s=rate,
                 seconds=dt, flops_per_s=achieved, flops_per_prompt=flops,
                 **({"share_of_peak": achieved / peak} if peak else {}))  # fmt: skip
+    if device.type == "cuda" and setting.quantization == "fp8":
+        # The peer of the fused quantization: the same prompts with each FP8 input quantized in a
+        # launch of its own after its norm / SiLU-and-mul (the code before the fusion).
+        from generation.layers.kernel_choice import set_fp8_producer_quantize
+
+        set_fp8_producer_quantize(False)
+        try:
+            sync(device)
+            t = time.perf_counter()
+            llm.generate(prompts, params)
+            sync(device)
+            separate = len(prompts) * length / (time.perf_counter() - t)
+        finally:
+            set_fp8_producer_quantize(True)
+        print(f"rag-prefill, FP8 inputs quantized in launches of their own: {separate:,.0f} prompt tok/s; "
+              f"fused into the norms and SiLU-and-mul: {rate:,.0f} ({rate / separate:.2f}x)", flush=True)
+        results.add("rag-prefill", "FP8 input quantization: separate launches vs fused", setting.label,
+                    f"{separate:,.0f} vs {rate:,.0f} prompt tok/s ({rate / separate:.2f}x)",
+                    separate_tokens_per_s=separate, fused_tokens_per_s=rate)  # fmt: skip
     if device.type == "cuda":
         # Where the prefill's GPU time goes (item 5 of issue 32 tunes what this shows), over a
         # sixth of the prompts, profiled on their own.

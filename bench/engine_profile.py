@@ -72,6 +72,8 @@ def kernel_breakdown(step, step_ms: float, floor_ms: float, reps: int = 10) -> N
 
 # Kernel-name patterns of a prefill profile, first match wins: which part of the step a kernel is.
 PREFILL_PARTS = (
+    ("norm + fp8 quantize (fused)", r"norm_quant"),
+    ("SiLU-and-mul + fp8 quantize (fused)", r"silu_and_mul_quant"),
     ("fp8 activation quantize", r"quantize"),
     ("attention", r"attn|attention|paged|flash|fmha|sdpa"),
     ("matmul", r"gemm|matmul|cutlass|sm90|sm80|nvjet|cublas|_mm_|skinny|scaled_mm"),

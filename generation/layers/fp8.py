@@ -17,6 +17,7 @@ product), whichever measured faster for the weight's shape.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -37,6 +38,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (x32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+class Fp8Rows(NamedTuple):
+    """An activation already quantized per token by its producer (`triton_fp8_fused`): e4m3 rows
+    q [T, K], their fp32 scales [T], and the model dtype the rows had (the layer's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -109,23 +123,45 @@ class Fp8Linear(nn.Module):
                                  requires_grad=False) if bias else None
         self._dequantized: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):  # rows its producer quantized (on a GPU: see takes_quantized_input)
+            if x.q.is_cuda:
+                from generation.layers import triton_fp8
+
+                return triton_fp8.scaled_mm_rows(x, self.weight, self.weight_scale, self.bias)
+            return self._reference(x.q, x.scale, x.dtype)
         if x.is_cuda and fp8_kernels_serve(x.device):
             from generation.layers import triton_fp8
 
             return triton_fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if not x.is_cuda:
-            # CPU reference: the dequantized fp32 weight is kept after its first use (a CPU run
-            # is for checking numerics, and dequantizing every matrix at every step dominated it).
-            # Loading new weights in place (load_weights, fill_dummy_weights) happens before any forward.
-            if self._dequantized is None or self._dequantized.device != self.weight.device:
-                self._dequantized = dequantize_rows(self.weight, self.weight_scale)
             qx, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
-            y = dequantize_rows(qx, sx) @ self._dequantized.t()
-            if self.bias is not None:
-                y = y + self.bias.float()
-            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return self._reference(qx, sx, x.dtype).view(*x.shape[:-1], self.out_features)
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
+
+    def _reference(self, qx: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """CPU reference of quantized rows [T, K] -> [T, N] in `dtype`: the dequantized fp32 weight is
+        kept after its first use (a CPU run is for checking numerics, and dequantizing every matrix at
+        every step dominated it). Loading new weights in place (load_weights, fill_dummy_weights)
+        happens before any forward."""
+        if self._dequantized is None or self._dequantized.device != self.weight.device:
+            self._dequantized = dequantize_rows(self.weight, self.weight_scale)
+        y = dequantize_rows(qx, sx) @ self._dequantized.t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(dtype)
+
+    def takes_quantized_input(self, x: torch.Tensor) -> bool:
+        """Whether this layer would quantize its T input rows per token itself (quantize + _scaled_mm),
+        so that their producer may hand them over quantized instead (a fused kernel,
+        `triton_fp8_fused`). `x` is that input or what it is made from ([T, ...], 2-D, on the GPU)."""
+        from generation.layers.kernel_choice import fp8_producer_quantize
+
+        if x.dim() != 2 or not x.is_cuda or not fp8_producer_quantize() or not fp8_kernels_serve(x.device):
+            return False
+        from generation.layers import triton_fp8
+
+        return triton_fp8.takes_quantized(self.weight, x.shape[0])
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this layer multiplies by, in fp32 [N, K] (tests, quality comparisons)."""

@@ -14,6 +14,9 @@ import torch
 _fused_enabled = True
 # The reused-chunk KV copy alone, for a benchmark's peer row (bench/rag_kv_reuse.py "+torch-copy").
 _kv_copy_enabled = True
+# FP8 layers' inputs quantized by their producers (RMSNorm, SiLU-and-mul) in the same kernel
+# (triton_fp8_fused), for a benchmark's peer row (bench/engine_llama8b.py rag-prefill).
+_fp8_producer_quant = True
 
 
 def set_fused_kernels(enabled: bool) -> None:
@@ -42,6 +45,17 @@ def triton_attention_for(t: torch.Tensor) -> ModuleType | None:
 def triton_fused_for(t: torch.Tensor) -> ModuleType | None:
     """The fused Triton kernels if they serve tensors like `t` and are switched on, else None."""
     return _triton_module("triton_fused") if t.is_cuda and _fused_enabled else None
+
+
+def set_fp8_producer_quantize(enabled: bool) -> None:
+    """Quantize FP8 layers' inputs inside the norm / SiLU-and-mul kernels (True, the default) or in
+    a launch of their own. Prefill reads it at each step; decode graphs keep what they captured."""
+    global _fp8_producer_quant
+    _fp8_producer_quant = enabled
+
+
+def fp8_producer_quantize() -> bool:
+    return _fp8_producer_quant
 
 
 def set_kv_copy_kernel(enabled: bool) -> None:

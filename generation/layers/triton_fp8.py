@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from generation.layers.fp8 import Fp8Rows
 from generation.layers.triton_skinny_gemm import MIN_GAIN, SkinnyConfig, _time
 
 logger = logging.getLogger(__name__)
@@ -97,12 +98,25 @@ def scaled_mm_linear(
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ dequant(weight [N, K]).T: per-token quantization here, then one torch._scaled_mm."""
     qx, sx = quantize_rows(x)
+    return scaled_mm_rows(Fp8Rows(qx, sx, x.dtype), weight, weight_scale, bias)
+
+
+def scaled_mm_rows(
+    rows: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-token quantized rows [M, K] @ dequant(weight [N, K]).T in rows.dtype: one torch._scaled_mm."""
     # Row-wise scales give bf16 out (some torch versions take no other output dtype with them).
-    y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+    y = torch._scaled_mm(rows.q, weight.t(), scale_a=rows.scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                          out_dtype=torch.bfloat16)  # fmt: skip
     if bias is not None:
         y = y + bias
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if y.dtype == rows.dtype else y.to(rows.dtype)
+
+
+def takes_quantized(weight: torch.Tensor, rows: int) -> bool:
+    """Whether `fp8_linear` quantizes `rows` input rows for this weight (quantize + _scaled_mm),
+    rather than streaming it against them unquantized (the few-row kernel, where `choose` picked one)."""
+    return rows > MAX_ROWS or _choices.get((weight.shape[0], weight.shape[1])) is None
 
 
 # --------------------------------------------------------------------------------------------------

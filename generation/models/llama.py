@@ -10,7 +10,7 @@ from torch import nn
 
 from generation.config import ModelConfig
 from generation.layers.attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
-from generation.layers.fp8 import FP8_DTYPE, Fp8Linear, quantize_weight
+from generation.layers.fp8 import FP8_DTYPE, Fp8Linear, Fp8Rows, quantize_weight
 from generation.layers.kernel_choice import triton_fused_for
 from generation.layers.linear import Linear
 from generation.layers.norm import RMSNorm
@@ -60,12 +60,12 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         rope: RopeInputs,
         meta: AttentionMetadata | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
-        """x: [T, H] packed tokens (with meta and cache) or [B, S, H] whole rows (without)."""
+        """x: [T, H] packed tokens (with meta and cache; maybe quantized by the norm) or [B, S, H] whole rows."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(*lead, self.num_heads, self.head_dim)
@@ -94,8 +94,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, Fp8Linear) and self.down_proj.takes_quantized_input(gate_up):
+            from generation.layers import triton_fp8_fused
+
+            return self.down_proj(triton_fp8_fused.silu_and_mul_quant(gate_up))
         fused = triton_fused_for(gate_up)
         if fused is not None:
             lead = gate_up.shape[:-1]
@@ -132,13 +136,26 @@ class LlamaDecoderLayer(nn.Module):
 
         `residual` is None for the first layer, whose x is the embedding itself.
         """
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = _pre_norm(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         h = self.self_attn(h, rope, meta, kv_cache)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        h, residual = _pre_norm(self.post_attention_layernorm, h, residual, self.mlp.gate_up_proj)
         return self.mlp(h), residual
+
+
+def _pre_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, consumer: nn.Module
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) without a residual; quantized per token
+    in the norm's own kernel when `consumer` is an FP8 layer that would quantize it anyway."""
+    if (isinstance(consumer, Fp8Linear) and consumer.takes_quantized_input(x) and x.stride(-1) == 1
+            and (residual is None or residual.is_contiguous())):
+        from generation.layers import triton_fp8_fused
+
+        rows, summed = triton_fp8_fused.rms_norm_quant(x, norm.weight, norm.eps, residual)
+        return rows, x if summed is None else summed
+    if residual is None:
+        return norm(x), x
+    return norm.add_and_norm(x, residual)
 
 
 class LlamaModel(nn.Module):

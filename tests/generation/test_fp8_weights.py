@@ -14,6 +14,7 @@ from generation.layers.fp8 import (
     FP8_DTYPE,
     MIN_SCALE,
     Fp8Linear,
+    Fp8Rows,
     dequantize_rows,
     fp8_linear_reference,
     quantize_rows,
@@ -81,6 +82,24 @@ def test_fp8_linear_keeps_leading_dims_dtype_and_bias():
     assert y.shape == (2, 3, 16) and y.dtype == torch.float32
     assert torch.allclose(y, fp8_linear_reference(x.reshape(6, 32), q, s, layer.bias).view(2, 3, 16))
     assert torch.allclose(layer.dequantized_weight(), dequantize_rows(q, s))
+
+
+def test_fp8_linear_takes_rows_its_producer_quantized_and_the_cpu_never_offers_them():
+    """Fp8Rows (e4m3 rows, scales, the model dtype) give what the layer gives for the rows they quantize;
+    off the GPU no producer is asked to quantize (the fused kernels are Triton)."""
+    layer = Fp8Linear(32, 16, bias=True, dtype=torch.bfloat16)
+    torch.manual_seed(4)
+    q, s = quantize_rows(torch.randn(16, 32))
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(s)
+        layer.bias.normal_()
+    x = torch.randn(40, 32).to(torch.bfloat16)
+    qx, sx = quantize_rows(x)
+    y = layer(Fp8Rows(qx, sx, torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (40, 16)
+    assert torch.equal(y, layer(x))
+    assert not layer.takes_quantized_input(x)
 
 
 # --------------------------------------------------------------------------------------------------
