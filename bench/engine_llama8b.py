@@ -340,9 +340,15 @@ def main() -> None:
         help="dummy: random weights from config.json on the device; auto: a checkpoint (written if absent)",
     )
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--separate-fp8-quant", action="store_true",
+                    help="quantize FP8 inputs in launches of their own, not inside the norms / SiLU-and-mul")
     ap.add_argument("--tiny", action="store_true", help="every section on CPU in seconds (a check, not a measurement)")
     ap.add_argument("--child-overhead", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.separate_fp8_quant:
+        from generation.layers.kernel_choice import set_fp8_producer_quantize
+
+        set_fp8_producer_quantize(False)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     for noisy in ("httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -692,7 +698,9 @@ def rag_prefill(llm: LLM, sizes: Sizes, args: argparse.Namespace, rand_prompt: C
                 f"{rate:,.0f} prompt tok/s, {si(achieved, 'FLOP/s')}{share}", tokens_per_s=rate,
                 seconds=dt, flops_per_s=achieved, flops_per_prompt=flops,
                 **({"share_of_peak": achieved / peak} if peak else {}))  # fmt: skip
-    if device.type == "cuda" and setting.quantization == "fp8":
+    from generation.layers.kernel_choice import fp8_producer_quantize
+
+    if device.type == "cuda" and setting.quantization == "fp8" and fp8_producer_quantize():
         # The peer of the fused quantization: the same prompts with each FP8 input quantized in a
         # launch of its own after its norm / SiLU-and-mul (the code before the fusion).
         from generation.layers.kernel_choice import set_fp8_producer_quantize
