@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from generation.layers.fp8 import FP8_DTYPE, Fp8Rows
+from generation.layers.triton_fused import add_and_norm_row
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)
@@ -27,21 +28,12 @@ def _rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_q, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # triton_fused._rms_norm_kernel's row, then triton_fp8._quantize_rows_kernel's quantization of it.
+    # triton_fused's norm of the row, then triton_fp8._quantize_rows_kernel's quantization of it.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(
-            x_ptr.dtype.element_ty
-        )
-        tl.store(res_ptr + row * stride_r + cols, x, mask=ok)
-    h = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = (w * normed).to(x_ptr.dtype.element_ty).to(tl.float32)  # the bf16 row the norm would write
+    y = add_and_norm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, cols, ok, n_cols, eps, HAS_RESIDUAL)
+    y = y.to(tl.float32)  # the row the norm would write, in the model dtype
     y = tl.where(ok, y, 0.0)
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), MIN_SCALE)
     tl.store(s_ptr + row, scale)

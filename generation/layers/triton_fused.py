@@ -21,13 +21,11 @@ from generation.layers.triton_common import kv_scale_args, quantize_kv
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+def add_and_norm_row(
+    x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, cols, ok, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
+    """One row's RMSNorm in the model dtype (x's), after adding the residual row and writing the sum
+    back into it; also the body of triton_fp8_fused's norm that quantizes its output."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         # residual = x + residual in the model dtype (as torch adds), written back in place.
@@ -39,7 +37,19 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    return (w * normed).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    y = add_and_norm_row(x_ptr, res_ptr, w_ptr, row, stride_x, stride_r, cols, ok, n_cols, eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(
