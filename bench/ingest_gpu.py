@@ -15,7 +15,9 @@ ratio of ingest's embed stage to the embedder alone, the hardware and the date.
 `--chunk-batch 1 256` runs each setting with RAG_INGEST_CHUNK_BATCH=1 (parse and tokenize one
 record at a time: the path before batched chunking) and =256 (the default), in the same run.
 `--overlap true false` runs each with the embedding overlapped with reading, chunking and writing
-(RAG_INGEST_OVERLAP_EMBEDDING=true, the default) and without.
+(RAG_INGEST_OVERLAP_EMBEDDING=true, the default) and without. `--switch-ms 0 0.1` runs each with
+the interpreter's own GIL switch interval (5 ms) while the embed thread runs, and with 0.1 ms
+(RAG_INGEST_SWITCH_INTERVAL_MS; rag/switch_interval.py).
 `--device cpu` runs where there is no GPU (use few records); `--parallelism unset` skips the
 "false" setting.
 """
@@ -63,7 +65,7 @@ def make_corpus(path: Path, records: int, seed: int = 0) -> None:
 
 
 def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", chunk_batch: int | None = None,
-        peer: bool = True, overlap: str | None = None) -> dict:
+        peer: bool = True, overlap: str | None = None, switch_ms: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if setting is not None:
         env["TOKENIZERS_PARALLELISM"] = setting
@@ -73,6 +75,8 @@ def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", 
         env["RAG_INGEST_CHUNK_BATCH"] = str(chunk_batch)
     if overlap is not None:
         env["RAG_INGEST_OVERLAP_EMBEDDING"] = overlap
+    if switch_ms is not None:
+        env["RAG_INGEST_SWITCH_INTERVAL_MS"] = switch_ms
     with tempfile.TemporaryDirectory() as home:
         env["RAG_HOME"] = home
         t = time.perf_counter()
@@ -102,6 +106,8 @@ def main() -> None:
     ap.add_argument("--parallelism", choices=["both", "unset"], default="both")
     ap.add_argument("--overlap", nargs="+", choices=["true", "false"], default=[None],
                     help="RAG_INGEST_OVERLAP_EMBEDDING values to run (false: embed, then write, then chunk on)")
+    ap.add_argument("--switch-ms", nargs="+", default=[None],
+                    help="RAG_INGEST_SWITCH_INTERVAL_MS values to run (0: the interpreter's 5 ms while overlapped)")
     args = ap.parse_args()
     import torch
 
@@ -113,14 +119,15 @@ def main() -> None:
         cores = len(os.sched_getaffinity(0))
         print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
-        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | ingest wall | ingest embed stage | embedder alone "
-              "| embed stage / alone | ingest total / alone |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | ingest wall | ingest embed stage "
+              "| embedder alone | embed stage / alone | ingest total / alone |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for setting in (None, "false") if args.parallelism == "both" else (None,):
             peer_s = None
-            for chunk_batch, overlap in [(c, o) for c in args.chunk_batch for o in args.overlap]:
+            runs = [(c, o, m) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms]
+            for chunk_batch, overlap, switch_ms in runs:
                 out = run(setting, corpus, args.embedder, args.device, chunk_batch, peer=peer_s is None,
-                          overlap=overlap)
+                          overlap=overlap, switch_ms=switch_ms)
                 s = out["summary"]
                 if out["peer"] is not None:
                     peer_s = out["peer"]["seconds"]
@@ -128,6 +135,7 @@ def main() -> None:
                 chunks = s.get("chunks_written") or s.get("chunks_embedded")
                 embed_s, total_s = s["seconds"]["embed"], s["seconds"]["total"]
                 print(f"| {setting or 'unset (CLI default)'} | {chunk_batch or 'default'} | {overlap or 'default'}"
+                      f" | {switch_ms or 'default'}"
                       f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
                       f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s ({peer_s:.1f} s)"
                       f" | {chunks / embed_s / peer:.2f}x | {peer_s / total_s:.2f}x ({total_s:.1f} s) |", flush=True)

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ingest.staging import ChunkStaging, text_hash
+from rag.switch_interval import acquire_shorter, release_shorter
 from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
 
@@ -82,7 +83,7 @@ class BatchCommitter:
     def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray], batch_chunks: int,
                  staging: ChunkStaging, on_written: Callable[[OpenDocument], None],
                  clock: StageClock, on_batch: Callable[[CommitCounts], None] | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, switch_interval_ms: float = 0.1) -> None:
         """
         Args:
             on_written: called after a document was written to the store.
@@ -91,6 +92,8 @@ class BatchCommitter:
             on_batch: called after each embed batch was committed (progress).
             overlap: embed a batch on a thread of its own while the ingest goes on; False: embed
                 and write each batch before `add` returns (the order of work of one thread).
+            switch_interval_ms: the GIL switch interval while the embed thread runs (0: the
+                interpreter's own; rag/switch_interval.py says why).
         Call `close()` when done (`flush()` first to keep the work).
         """
         assert batch_chunks >= 1
@@ -106,6 +109,8 @@ class BatchCommitter:
         self._queue: Batch = []
         self._current: OpenDocument | None = None
         self._overlap = overlap
+        self._switch_interval = switch_interval_ms / 1000.0
+        self._lowered = False
         self._thread: ThreadPoolExecutor | None = None
         self._inflight: tuple[Batch, Future[tuple[np.ndarray, float]]] | None = None
 
@@ -172,6 +177,11 @@ class BatchCommitter:
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-embed")
+            # The embed thread's many short GPU launches would otherwise wait up to 5 ms each for
+            # the GIL while this thread chunks and writes (rag/switch_interval.py).
+            if self._switch_interval > 0:
+                acquire_shorter(self._switch_interval)
+                self._lowered = True
         previous, self._inflight = self._inflight, (queue, self._thread.submit(self._timed_embed, texts))
         if previous is not None:
             self._collect(previous)
@@ -189,6 +199,9 @@ class BatchCommitter:
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)  # an embed call under way ends first
             self._thread = None
+        if self._lowered:
+            self._lowered = False
+            release_shorter()
 
     def _timed_embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
         started = time.perf_counter()

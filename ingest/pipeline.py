@@ -146,7 +146,7 @@ class IngestPipeline:
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
                  stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1,
-                 overlap_embedding: bool = True) -> None:
+                 overlap_embedding: bool = True, switch_interval_ms: float = 0.1) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -159,6 +159,7 @@ class IngestPipeline:
                 loses at most the batches not yet written (with overlap, up to three).
             overlap_embedding: embed each batch on a thread of its own while the run reads,
                 chunks and writes the others (False: one thing at a time; the same rows).
+            switch_interval_ms: the GIL switch interval while the embed thread runs (0: unchanged).
             max_document_bytes: sources larger than this are skipped and reported (0: no cap).
             staging_path: the SQLite file where a document's chunks wait until the last one is
                 embedded (durable, so a restart resumes inside a huge document); None keeps
@@ -176,6 +177,7 @@ class IngestPipeline:
         self.chunk_batch = chunk_batch
         self.workers = workers
         self.overlap_embedding = overlap_embedding
+        self.switch_interval_ms = switch_interval_ms
         self.max_document_bytes = max_document_bytes
         self.staging_path = staging_path
         self.stream_above_bytes = stream_above_bytes
@@ -243,7 +245,7 @@ class IngestPipeline:
 
         committer = BatchCommitter(self.store, self.embed, self.batch_chunks, staging,
                                    lambda entry: _count_written(entry, report), clock, on_batch,
-                                   overlap=self.overlap_embedding)
+                                   overlap=self.overlap_embedding, switch_interval_ms=self.switch_interval_ms)
         def wants_parse(item: SourceItem | SourceProblem) -> bool:
             if isinstance(item, SourceProblem) or not mine(item.key):
                 return False

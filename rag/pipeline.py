@@ -203,7 +203,8 @@ class Rag:
                                       guard=guard, max_document_bytes=self.settings.max_document_bytes,
                                       staging_path=staging, chunk_batch=chunk_batch,
                                       workers=ingest_worker_count(self.settings.ingest_workers),
-                                      overlap_embedding=self.settings.ingest_overlap_embedding)  # fmt: skip
+                                      overlap_embedding=self.settings.ingest_overlap_embedding,
+                                      switch_interval_ms=self.settings.ingest_switch_interval_ms)  # fmt: skip
             return pipeline.run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:

@@ -87,6 +87,11 @@ class Settings(BaseSettings):
     # others (on a GPU node the embedder otherwise waits for all of that); false does one thing
     # at a time. The rows are the same either way.
     ingest_overlap_embedding: bool = True
+    # While an overlapped embed thread runs, the interpreter's GIL switch interval in ms (its
+    # default is 5): the embedder's short GPU launches each need the GIL back and would otherwise
+    # wait up to the whole interval beside the chunking and writing (rag/switch_interval.py,
+    # bench/gil_switch.py). 0 leaves the interpreter's own.
+    ingest_switch_interval_ms: float = Field(default=0.1, ge=0.0, le=100.0)
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
     # A mount that vanished looks like every file deleted; 1.0 turns the share check off.

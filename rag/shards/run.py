@@ -161,6 +161,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                                 chunk_batch=settings.ingest_chunk_batch,
                                 workers=ingest_worker_count(settings.ingest_workers),
                                 overlap_embedding=settings.ingest_overlap_embedding,
+                                switch_interval_ms=settings.ingest_switch_interval_ms,
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()

@@ -233,3 +233,34 @@ def test_the_setting_reaches_the_committer_of_rag_ingest(tmp_path, monkeypatch) 
             rag.close()
         assert report.added == 1
     assert seen == [False, True]
+
+
+def test_the_gil_switch_interval_is_short_while_the_embed_thread_runs_and_restored_after() -> None:
+    # The embed thread's short GPU launches would wait up to the default 5 ms each for the GIL
+    # while this thread chunks and writes (rag/switch_interval.py): overlap lowers it, close restores.
+    import sys
+
+    from rag.switch_interval import OVERLAP_SWITCH_INTERVAL
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    def embed(texts):
+        seen.append(sys.getswitchinterval())
+        return vectors_of(texts)
+
+    try:
+        sys.setswitchinterval(0.005)
+        for overlap in (True, False):
+            seen.clear()
+            committer = make(embed, RecordingStore(), overlap=overlap)
+            add_document(committer, "a", ["a1", "a2", "a3"])
+            committer.flush()
+            expected = OVERLAP_SWITCH_INTERVAL if overlap else 0.005  # as sys stores it: microseconds
+            assert seen and all(abs(s - expected) < 1e-7 for s in seen), (overlap, seen)
+            committer.close()
+            assert abs(sys.getswitchinterval() - 0.005) < 1e-7
+            committer.close()  # twice: nothing more to restore
+            assert abs(sys.getswitchinterval() - 0.005) < 1e-7
+    finally:
+        sys.setswitchinterval(before)
