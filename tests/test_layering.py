@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("rag", "ingest", "retrieval", "generation", "permissions")
 BASE = {"rag.errors", "rag.types", "rag.atomic", "rag.private_files", "rag.quiet", "rag.sqlite_threads",
-        "rag.forward_memo"}
+        "rag.forward_memo", "rag.switch_interval"}
 FORBIDDEN = {  # package -> project packages it must not import
     "ingest": {"generation"},
     "retrieval": {"ingest", "generation"},
