@@ -16,7 +16,7 @@ from rag.types import Chunk, Document
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.stores.embedded.collection import EmbeddedCollection
 from retrieval.vectors import load_vector_index, make_vector_index
-from retrieval.vectors.faiss_gpu import GpuIvfIndex, SelectorlessCpu
+from retrieval.vectors.faiss_gpu import GpuIvfIndex, SelectorlessCpu, _SelectorlessReplica
 from retrieval.vectors.row_sets import union
 
 DIM = 16
@@ -108,35 +108,19 @@ def test_a_reloaded_index_does_not_take_the_original_instances_sets(data, tmp_pa
     assert {i for i, _ in got} == set(ids[10:500].tolist())
 
 
-class _SelectorIgnoringReplica:
+class _SelectorIgnoringReplica(_SelectorlessReplica):
     """A device replica that says it filters by selector but does not (a faulty cuVS build)."""
-
-    def __init__(self, index: faiss.Index) -> None:
-        self.index = faiss.clone_index(index)
-        self.train = self.index.train
-        self.add_with_ids = self.index.add_with_ids
-
-    @property
-    def ntotal(self) -> int:
-        return int(self.index.ntotal)
-
-    @property
-    def is_trained(self) -> bool:
-        return bool(self.index.is_trained)
 
     def search(self, query: np.ndarray, k: int, params: faiss.SearchParametersIVF | None = None):
         nprobe = params.nprobe if params is not None else 1
-        return self.index.search(query, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        return super().search(query, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
 
 
-class _SelectorIgnoringDevice:
+class _SelectorIgnoringDevice(SelectorlessCpu):
     honours_selector = True
 
     def to_device(self, index: faiss.Index) -> _SelectorIgnoringReplica:
         return _SelectorIgnoringReplica(index)
-
-    def to_host(self, index) -> faiss.Index:
-        return faiss.clone_index(index.index if isinstance(index, _SelectorIgnoringReplica) else index)
 
 
 def test_a_device_that_claims_a_selector_is_still_post_filtered(data):
