@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ingest.staging import ChunkStaging, text_hash
-from rag.switch_interval import acquire_shorter, release_shorter
+from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS, acquire_shorter, release_shorter
 from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
 
@@ -83,7 +83,7 @@ class BatchCommitter:
     def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray], batch_chunks: int,
                  staging: ChunkStaging, on_written: Callable[[OpenDocument], None],
                  clock: StageClock, on_batch: Callable[[CommitCounts], None] | None = None,
-                 overlap: bool = True, switch_interval_ms: float = 0.1) -> None:
+                 overlap: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS) -> None:
         """
         Args:
             on_written: called after a document was written to the store.
@@ -109,7 +109,7 @@ class BatchCommitter:
         self._queue: Batch = []
         self._current: OpenDocument | None = None
         self._overlap = overlap
-        self._switch_interval = switch_interval_ms / 1000.0
+        self._switch_interval_ms = switch_interval_ms
         self._lowered = False
         self._thread: ThreadPoolExecutor | None = None
         self._inflight: tuple[Batch, Future[tuple[np.ndarray, float]]] | None = None
@@ -179,8 +179,8 @@ class BatchCommitter:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-embed")
             # The embed thread's many short GPU launches would otherwise wait up to 5 ms each for
             # the GIL while this thread chunks and writes (rag/switch_interval.py).
-            if self._switch_interval > 0:
-                acquire_shorter(self._switch_interval)
+            if self._switch_interval_ms > 0:
+                acquire_shorter(self._switch_interval_ms)
                 self._lowered = True
         previous, self._inflight = self._inflight, (queue, self._thread.submit(self._timed_embed, texts))
         if previous is not None:

@@ -50,6 +50,7 @@ from ingest.sources import (
 from ingest.staging import ChunkStaging
 from ingest.vanished import NOBODY, Holds, restrict, settle_vanished
 from rag.errors import IngestError
+from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS
 from retrieval.base import CollectionStore
 from retrieval.records import BuildOutcome, DocumentCounts, DocumentState
 
@@ -146,7 +147,7 @@ class IngestPipeline:
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
                  stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1,
-                 overlap_embedding: bool = True, switch_interval_ms: float = 0.1) -> None:
+                 overlap_embedding: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never

@@ -19,6 +19,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rag.errors import ConfigError
+from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS
 
 # The most hits a query may hand the reranker (the setting, Rag.query, experiment configs): every
 # candidate is a cross-encoder forward pass, so more than this is a mistake, not a tuning.
@@ -91,7 +92,7 @@ class Settings(BaseSettings):
     # default is 5): the embedder's short GPU launches each need the GIL back and would otherwise
     # wait up to the whole interval beside the chunking and writing (rag/switch_interval.py,
     # bench/gil_switch.py). 0 leaves the interpreter's own.
-    ingest_switch_interval_ms: float = Field(default=0.1, ge=0.0, le=100.0)
+    ingest_switch_interval_ms: float = Field(default=OVERLAP_SWITCH_INTERVAL_MS, ge=0.0, le=100.0)
     # One ingest run deletes at most this share of a collection's documents (of its shard, in
     # a job array); past it, nothing is deleted and the run fails, unless --allow-mass-delete.
     # A mount that vanished looks like every file deleted; 1.0 turns the share check off.

@@ -5,49 +5,38 @@ CPython hands the GIL to a waiting thread only when the holder releases it or, a
 each torch op (a launch, ~10-20 µs) and needs it back before the next: beside a thread that runs
 Python (the ingest's chunking and catalog writes), each of its hundreds of ops per forward can wait
 up to the whole interval for it (the convoy effect; bench/gil_switch.py measures it). A shorter
-interval bounds that wait; the Python thread loses only the cost of the extra hand-overs, and only
-while the other thread actually waits.
+interval bounds that wait, at the price of more hand-overs for the Python thread while the other
+one waits.
 
-The interval is process-wide, so `shorter_switch_interval` is counted: it stays lowered while any
-holder is active and the value found before the first is restored after the last.
+The interval is process-wide, so holders are counted: it stays lowered while any holder is active
+and the value found before the first is restored after the last.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-# 0.1 ms: at the default 5 ms a thread of short ops beside a busy Python thread ran ~500x slower
-# than alone on the dev machine; at 0.1 ms ~14x (bench/gil_switch.py), while the Python thread kept
-# most of its speed.
-OVERLAP_SWITCH_INTERVAL = 1e-4
+# The ingest's default (setting ingest_switch_interval_ms). On the dev CPU (bench/gil_switch.py), a
+# thread of short ops beside a Python thread that never lets go ran 560x slower than alone at the
+# default 5 ms and 13x at 0.1 ms; the Python thread then ran at 0.6 of its speed. Its end-to-end
+# effect on a GPU ingest is still to be measured (bench/ingest_gpu.py --switch-ms 0 0.1).
+OVERLAP_SWITCH_INTERVAL_MS = 0.1
 
 _lock = threading.Lock()
 _holders = 0
 _saved: float | None = None
 
 
-@contextmanager
-def shorter_switch_interval(seconds: float = OVERLAP_SWITCH_INTERVAL) -> Iterator[None]:
-    """Lower the interpreter's switch interval to `seconds` (never raise it) while inside."""
-    acquire_shorter(seconds)
-    try:
-        yield
-    finally:
-        release_shorter()
-
-
-def acquire_shorter(seconds: float = OVERLAP_SWITCH_INTERVAL) -> None:
-    """As entering `shorter_switch_interval`; pair every call with `release_shorter`."""
+def acquire_shorter(milliseconds: float = OVERLAP_SWITCH_INTERVAL_MS) -> None:
+    """Lower the switch interval to `milliseconds` (never raise it); pair with `release_shorter`."""
     global _holders, _saved
     with _lock:
         if _holders == 0:
             _saved = sys.getswitchinterval()
         _holders += 1
-        if seconds < sys.getswitchinterval():
-            sys.setswitchinterval(seconds)
+        if milliseconds / 1000.0 < sys.getswitchinterval():
+            sys.setswitchinterval(milliseconds / 1000.0)
 
 
 def release_shorter() -> None:

@@ -8,6 +8,7 @@ test_resume.py, and every ingest test, where overlap is the default).
 from __future__ import annotations
 
 import shutil
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from ingest.batch_commit import BatchCommitter
 from ingest.chunk import Chunker, ChunkingConfig
 from ingest.pipeline import IngestPipeline
 from ingest.staging import ChunkStaging
+from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS
 from rag.types import Chunk, Document
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.stores.embedded.collection import EmbeddedCollection
@@ -238,10 +240,6 @@ def test_the_setting_reaches_the_committer_of_rag_ingest(tmp_path, monkeypatch) 
 def test_the_gil_switch_interval_is_short_while_the_embed_thread_runs_and_restored_after() -> None:
     # The embed thread's short GPU launches would wait up to the default 5 ms each for the GIL
     # while this thread chunks and writes (rag/switch_interval.py): overlap lowers it, close restores.
-    import sys
-
-    from rag.switch_interval import OVERLAP_SWITCH_INTERVAL
-
     before = sys.getswitchinterval()
     seen: list[float] = []
 
@@ -256,7 +254,7 @@ def test_the_gil_switch_interval_is_short_while_the_embed_thread_runs_and_restor
             committer = make(embed, RecordingStore(), overlap=overlap)
             add_document(committer, "a", ["a1", "a2", "a3"])
             committer.flush()
-            expected = OVERLAP_SWITCH_INTERVAL if overlap else 0.005  # as sys stores it: microseconds
+            expected = OVERLAP_SWITCH_INTERVAL_MS / 1000 if overlap else 0.005  # as sys stores it: microseconds
             assert seen and all(abs(s - expected) < 1e-7 for s in seen), (overlap, seen)
             committer.close()
             assert abs(sys.getswitchinterval() - 0.005) < 1e-7

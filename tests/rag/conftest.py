@@ -51,3 +51,14 @@ def lab_rag(tmp_path_factory, model_cache, lab_copy) -> Rag:
     for user, groups in DEMO_USERS.items():
         rag.identity.add_user(user, groups)
     return rag
+
+
+@pytest.fixture
+def replicas(pg_dsn):
+    """Two identity stores over one PostgreSQL: two replicas' processes (store = pgvector)."""
+    from rag.pg_identity import PgIdentityStore
+
+    a, b = PgIdentityStore(pg_dsn), PgIdentityStore(pg_dsn)
+    yield a, b
+    a.close()
+    b.close()

@@ -24,14 +24,7 @@ from rag.errors import AuthenticationError, StoreError
 from rag.pg_audit import PgAuditLog
 from rag.pg_identity import PgIdentityStore
 from rag.pg_identity_schema import migrate_identity
-
-
-@pytest.fixture
-def replicas(pg_dsn):
-    a, b = PgIdentityStore(pg_dsn), PgIdentityStore(pg_dsn)
-    yield a, b
-    a.close()
-    b.close()
+from tests.rag.test_shared_identity import _queries
 
 
 def _sql(dsn: str, statement: str, params: tuple = ()) -> None:
@@ -74,9 +67,7 @@ def test_the_cache_works_again_after_a_change(replicas, monkeypatch):
     b.authenticate(key)
     a.add_user("carol", ["hpc", "gpu"])
     assert b.authenticate(key).groups == {"hpc", "gpu"}  # the change, seen
-    seen: list[str] = []
-    real = b._run
-    monkeypatch.setattr(b, "_run", lambda what, fn: (seen.append(what), real(what, fn))[1])
+    seen = _queries(b, monkeypatch)
     for _ in range(3):
         assert b.authenticate(key).groups == {"hpc", "gpu"}
     assert seen == ["reading the identity version"] * 3

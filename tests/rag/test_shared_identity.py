@@ -25,14 +25,6 @@ from rag.pg_identity import PgIdentityStore
 from rag.pg_identity_schema import LATEST, migrate_identity
 
 
-@pytest.fixture
-def replicas(pg_dsn):
-    a, b = PgIdentityStore(pg_dsn), PgIdentityStore(pg_dsn)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _queries(store: PgIdentityStore, monkeypatch) -> list[str]:
     """The statements `store` runs from now on (each one round trip), by what they were for."""
     seen: list[str] = []

@@ -8,7 +8,9 @@ import threading
 import pytest
 
 from rag import switch_interval
-from rag.switch_interval import OVERLAP_SWITCH_INTERVAL, acquire_shorter, release_shorter, shorter_switch_interval
+from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS, acquire_shorter, release_shorter
+
+SHORT = OVERLAP_SWITCH_INTERVAL_MS / 1000.0
 
 
 @pytest.fixture(autouse=True)
@@ -21,18 +23,20 @@ def default_interval():
 
 
 def test_nested_holders_keep_it_lowered_until_the_last_leaves() -> None:
-    with shorter_switch_interval():
-        assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL)
-        acquire_shorter()
-        release_shorter()
-        assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL)  # the outer one still holds
+    acquire_shorter()
+    assert sys.getswitchinterval() == pytest.approx(SHORT)
+    acquire_shorter()
+    release_shorter()
+    assert sys.getswitchinterval() == pytest.approx(SHORT)  # the first one still holds
+    release_shorter()
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
 def test_it_never_raises_an_interval_someone_set_lower() -> None:
     sys.setswitchinterval(1e-5)
-    with shorter_switch_interval():
-        assert sys.getswitchinterval() == pytest.approx(1e-5)
+    acquire_shorter()
+    assert sys.getswitchinterval() == pytest.approx(1e-5)
+    release_shorter()
     assert sys.getswitchinterval() == pytest.approx(1e-5)
 
 
@@ -45,15 +49,18 @@ def test_holders_on_several_threads_restore_once_all_are_done() -> None:
     inside, leave = threading.Barrier(5), threading.Event()
 
     def hold() -> None:
-        with shorter_switch_interval():
+        acquire_shorter()
+        try:
             inside.wait(timeout=10)
             leave.wait(timeout=10)
+        finally:
+            release_shorter()
 
     threads = [threading.Thread(target=hold) for _ in range(4)]
     for t in threads:
         t.start()
     inside.wait(timeout=10)
-    assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == pytest.approx(SHORT)
     leave.set()
     for t in threads:
         t.join(timeout=10)

@@ -18,14 +18,9 @@ from retrieval.stores.embedded.collection import EmbeddedCollection
 from retrieval.vectors import load_vector_index, make_vector_index
 from retrieval.vectors.faiss_gpu import GpuIvfIndex, SelectorlessCpu, _SelectorlessReplica
 from retrieval.vectors.row_sets import union
+from tests.retrieval.test_row_sets import DIM, _unit  # the sibling suite's 16-d unit vectors
 
-DIM = 16
 N = 2000  # past IvfIndex.MIN_TRAIN: the IVF kinds have lists
-
-
-def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
-    v = rng.standard_normal((n, DIM)).astype(np.float32)
-    return v / np.linalg.norm(v, axis=1, keepdims=True)
 
 
 @pytest.fixture(scope="module")
