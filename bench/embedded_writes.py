@@ -40,6 +40,9 @@ def write_all(work: Path, docs: list, batch: int, dim: int) -> tuple[float, floa
     catalog = Catalog(work / "catalog.sqlite")
     info = catalog.create_collection("bench", "bench-random-vectors", "bench-random-vectors", dim, CHUNKING)
     store = EmbeddedCollection(catalog, info, work / "indexes", "faiss")
+    # As ingest opens it (`rebuild.open_for_ingest`): without this every row was a transaction per
+    # document whatever --batch said (the case from 5f40312 until 2026-12-07).
+    store.batch_writes = True
     try:
         started = time.perf_counter()
         for n, (doc, acl, chunks, vectors) in enumerate(docs, 1):

@@ -208,3 +208,100 @@ def test_a_batch_commits_itself_when_full(tmp_path, catalog, monkeypatch):
     for i, key in enumerate("abc"):
         index.replace_document(_doc(key), frozenset({"public"}), _chunks(key, 1), _vecs(1, i))
     assert _committed(catalog.path) == [("a", 1), ("b", 1)] and catalog.batch_documents == 1
+
+
+# -- a batch's keyword rows: indexed at its commit, one statement per domain ----------------
+
+
+def _words(key: str, text: str) -> list[Chunk]:
+    return [Chunk(document_key=key, index=0, text=text, num_tokens=len(text.split()))]
+
+
+def _found(catalog, text: str, *tokens: str) -> list[str]:
+    """Keys of the documents a keyword search by `tokens` finds for `text`."""
+    ids = [cid for cid, _ in catalog.keyword_search("docs", text, 10, tokens)]
+    if not ids:
+        return []
+    marks = ",".join("?" * len(ids))
+    return sorted(k for (k,) in catalog.conn.execute(
+        f"SELECT d.key FROM chunks c JOIN documents d ON d.id = c.document_id WHERE c.id IN ({marks})", ids))
+
+
+def _domain_counts(path) -> dict[str, tuple[int, int]]:
+    """ACL -> (num_chunks the keyword index keeps, chunks the catalog holds) per domain."""
+    with sqlite3.connect(path) as conn:
+        kept = dict(conn.execute("SELECT acl, num_chunks FROM keyword_domains").fetchall())
+        held = dict(conn.execute("SELECT d.acl, COUNT(c.id) FROM documents d JOIN chunks c"
+                                 " ON c.document_id = d.id GROUP BY d.acl").fetchall())
+    return {acl: (kept.get(acl, 0), held.get(acl, 0)) for acl in set(kept) | set(held)}
+
+
+def test_a_document_replaced_inside_its_batch_leaves_only_its_last_version_searchable(tmp_path, catalog):
+    from retrieval.stores.embedded import keyword_index
+
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_document(_doc("a", "v1"), frozenset({"public"}), _words("a", "alpha harbour"), _vecs(1, 0))
+    index.replace_document(_doc("b"), frozenset({"group:g1"}), _words("b", "beta lighthouse"), _vecs(1, 1))
+    # The same key again in the same batch, under another ACL: its first version was never indexed.
+    index.replace_document(_doc("a", "v2"), frozenset({"group:g1"}), _words("a", "gamma harbour"), _vecs(1, 2))
+    index.flush()
+    assert _found(catalog, "alpha") == [] and _found(catalog, "alpha", "group:g1") == []
+    assert _found(catalog, "harbour", "public") == []  # the public version is gone with its text
+    assert _found(catalog, "harbour", "group:g1") == ["a"]
+    assert _found(catalog, "lighthouse", "group:g1") == ["b"]
+    keyword_index.integrity_check(catalog.conn)  # the FTS index matches the chunks exactly
+    assert all(kept == held for kept, held in _domain_counts(catalog.path).values())
+    # Nothing was ever indexed and then removed, so no domain waits for a purge.
+    assert not keyword_index.needs_purge(catalog.conn)
+
+
+def test_a_replacement_in_a_later_batch_unindexes_the_committed_version(tmp_path, catalog):
+    from retrieval.stores.embedded import keyword_index
+
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_document(_doc("a", "v1"), frozenset({"public"}), _words("a", "alpha harbour"), _vecs(1, 0))
+    index.flush()
+    index.replace_document(_doc("a", "v2"), frozenset({"public"}), _words("a", "gamma pier"), _vecs(1, 1))
+    index.flush()
+    assert _found(catalog, "alpha", "public") == [] and _found(catalog, "pier", "public") == ["a"]
+    keyword_index.integrity_check(catalog.conn)
+    assert keyword_index.needs_purge(catalog.conn)  # the first version's words wait in old segments
+    assert all(kept == held for kept, held in _domain_counts(catalog.path).values())
+
+
+def test_the_writer_finds_its_own_open_batch_by_keyword(tmp_path, catalog):
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_document(_doc("b"), frozenset({"group:g1"}), _words("b", "beta lighthouse"), _vecs(1, 1))
+    assert _committed(catalog.path) == []  # still one open transaction
+    assert _found(catalog, "lighthouse", "group:g1") == ["b"]  # as its vector and row reads see it
+    assert _found(catalog, "lighthouse", "public") == []
+    index.replace_document(_doc("c"), frozenset({"group:g1"}), _words("c", "cove lighthouse"), _vecs(1, 2))
+    index.flush()
+    assert _found(catalog, "lighthouse", "group:g1") == ["b", "c"]
+    assert all(kept == held for kept, held in _domain_counts(catalog.path).values())
+
+
+def test_a_failure_indexing_a_batch_keywords_rolls_the_whole_batch_back(tmp_path, catalog, monkeypatch):
+    from retrieval.stores.embedded import keyword_index
+
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_document(_doc("a"), frozenset({"public"}), _words("a", "alpha"), _vecs(1, 0))
+    index.flush()
+    index.replace_document(_doc("b"), frozenset({"public"}), _words("b", "beta"), _vecs(1, 1))
+    index.replace_document(_doc("c"), frozenset({"group:g1"}), _words("c", "gamma"), _vecs(1, 2))
+
+    def broken(*args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(keyword_index, "index_chunks", broken)
+    with pytest.raises(sqlite3.OperationalError):
+        index.flush()
+    monkeypatch.undo()
+    # No document of the batch is committed without its keyword rows: the batch is gone whole.
+    assert _committed(catalog.path) == [("a", 1)] and catalog.batch_documents == 0
+    again = _ingest_index(catalog, tmp_path)  # a rerun writes them again
+    again.replace_document(_doc("b"), frozenset({"public"}), _words("b", "beta"), _vecs(1, 1))
+    again.flush()
+    assert _found(catalog, "beta", "public") == ["b"] and _found(catalog, "gamma", "group:g1") == []
+    keyword_index.integrity_check(catalog.conn)
+    assert all(kept == held for kept, held in _domain_counts(catalog.path).values())

@@ -18,6 +18,10 @@ Ingest writes documents in batches (`replace_document(..., batched=True)`): one 
 many documents, each in a savepoint of its own, and `commit()` ends it (after each embed batch):
 a crash before the commit loses the batch's documents whole, never a part of one. Any other write
 (ACL change, delete, purge, rename) commits an open batch first, then runs in its own transaction.
+A batch's keyword rows go into the FTS5 tables at its commit, in the same transaction, one
+statement per domain: FTS5 writes its pending terms out as a new segment at every savepoint
+release, so indexing each document inside its own savepoint made a segment per document (and the
+merges after them), half of the catalog's write time (bench/embedded_writes.py).
 """
 
 from __future__ import annotations
@@ -71,12 +75,25 @@ class Catalog:
             self._conns.close()
 
     def commit(self) -> None:
-        """Commit this thread's open batch of `replace_document(..., batched=True)` writes (if any)."""
+        """Commit this thread's open batch of `replace_document(..., batched=True)` writes (if any).
+
+        The batch's keyword rows are indexed first, in its transaction: if that fails, the whole
+        batch rolls back (no document is committed without its keyword rows) and the error rises.
+        """
         if not getattr(self._batch, "open", False):
             return
-        self._batch.open, self._batch.documents = False, 0
-        if self.conn.in_transaction:  # else SQLite rolled it back already (a failed statement)
-            self.conn.execute("COMMIT")
+        try:
+            self._index_batch_keywords()  # clears the queue when SQLite rolled the batch back
+        except BaseException:
+            self._batch.keywords = {}
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        finally:
+            self._batch.open, self._batch.documents = False, 0
+        if not self.conn.in_transaction:  # SQLite rolled it back already (a failed statement)
+            return
+        self.conn.execute("COMMIT")
 
     @property
     def batch_documents(self) -> int:
@@ -268,7 +285,7 @@ class Catalog:
             )
             doc_id = cur.lastrowid
             self._write_acl(doc_id, acl)
-            added = []
+            added: list[int] = []
             for chunk, vec in zip(chunks, vectors, strict=True):
                 cur = self.conn.execute(
                     "INSERT INTO chunks (document_id, idx, text, heading, num_tokens, metadata,"
@@ -279,11 +296,14 @@ class Catalog:
                     ),
                 )
                 added.append(int(cur.lastrowid))
-            keyword_index.index_chunks(
-                self.conn, collection, acl_json,
-                [(cid, c.text, c.heading, c.num_tokens) for cid, c in zip(added, chunks, strict=True)])
+            texts = [(cid, c.text, c.heading, c.num_tokens) for cid, c in zip(added, chunks, strict=True)]
+            if not batched:
+                keyword_index.index_chunks(self.conn, collection, acl_json, texts)
             self._bump(collection)
         if batched:
+            # Indexed at the batch's commit (see the module's docstring); queued only once the
+            # document's savepoint is released, so a document rolled back leaves nothing queued.
+            self._batch.keywords.setdefault((collection, acl_json), {}).update({t[0]: t for t in texts})
             self._batch.documents = self.batch_documents + 1
             if self._batch.documents >= BATCH_DOCUMENTS:
                 self.commit()
@@ -337,6 +357,7 @@ class Catalog:
 
     def keyword_search(self, collection: str, text: str, k: int, tokens: Iterable[str]) -> list[tuple[int, float]]:
         """BM25 top-k among the chunks `tokens` may read (see `keyword_index.search`)."""
+        self._index_batch_keywords()  # this thread's own open batch, as its other reads see it
         return keyword_index.search(self.conn, collection, text, k, tokens)
 
     def purge_removed_text(self) -> bool:
@@ -458,9 +479,30 @@ class Catalog:
         if row is None:
             return []
         rows = self._chunk_texts(row[0])
-        keyword_index.unindex_chunks(self.conn, collection, row[1], rows)
+        queued = self._batch_keywords().get((collection, row[1]), {})
+        if rows and rows[0][0] in queued:  # written earlier in this batch: never indexed
+            for r in rows:
+                del queued[r[0]]
+        else:
+            keyword_index.unindex_chunks(self.conn, collection, row[1], rows)
         self.conn.execute("DELETE FROM documents WHERE id = ?", (row[0],))
         return [r[0] for r in rows]
+
+    def _batch_keywords(self) -> dict[tuple[str, str], dict[int, keyword_index.ChunkText]]:
+        """This thread's batch's keyword rows not indexed yet: (collection, ACL JSON) -> id -> row."""
+        if not hasattr(self._batch, "keywords"):
+            self._batch.keywords = {}
+        return self._batch.keywords
+
+    def _index_batch_keywords(self) -> None:
+        """Index the queued keyword rows of this thread's open batch (inside its transaction)."""
+        queued = self._batch_keywords()
+        if not (getattr(self._batch, "open", False) and self.conn.in_transaction):
+            queued.clear()  # no batch, or SQLite rolled it back: its chunks are gone too
+            return
+        while queued:
+            (collection, acl), rows = queued.popitem()
+            keyword_index.index_chunks(self.conn, collection, acl, list(rows.values()))
 
     def _chunk_texts(self, doc_id: int) -> list[keyword_index.ChunkText]:
         """(id, text, heading, num_tokens) of a document's chunks, as the keyword index holds them."""
@@ -486,7 +528,7 @@ class Catalog:
     def _savepoint(self) -> _Savepoint:
         if not getattr(self._batch, "open", False):
             self.conn.execute("BEGIN IMMEDIATE")
-            self._batch.open, self._batch.documents = True, 0
+            self._batch.open, self._batch.documents, self._batch.keywords = True, 0, {}
         return _Savepoint(self.conn)
 
 
