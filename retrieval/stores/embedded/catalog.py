@@ -143,6 +143,13 @@ class Catalog:
             raise NotFoundError(f"unknown collection {name!r} (collections: {have})")
         return info
 
+    def _dim(self, name: str) -> int:
+        """The collection's vector size (one column: a write checks it for every document)."""
+        row = self.conn.execute("SELECT dim FROM collections WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            self.get_collection(name)  # raises the NotFoundError that names the others
+        return int(row[0])
+
     def collection_names(self) -> list[str]:
         """The live collections (hidden generations being built or dropped are left out)."""
         return [r[0] for r in self.conn.execute("SELECT name FROM collections ORDER BY name")
@@ -265,10 +272,10 @@ class Catalog:
         An interrupted call leaves the previous version intact.
         """
         assert len(chunks) == len(vectors)
-        info = self.get_collection(collection)
-        if len(chunks) and vectors.shape[1] != info.dim:
+        dim = self._dim(collection)
+        if len(chunks) and vectors.shape[1] != dim:
             raise StoreError(
-                f"vectors have {vectors.shape[1]} dims but collection {collection!r} has {info.dim}"
+                f"vectors have {vectors.shape[1]} dims but collection {collection!r} has {dim}"
             )
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         with self._savepoint() if batched else self._transaction():
@@ -292,7 +299,7 @@ class Catalog:
                     " vector) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         doc_id, chunk.index, chunk.text, chunk.heading, chunk.num_tokens,
-                        json.dumps(chunk.metadata, sort_keys=True, default=str), vec.tobytes(),
+                        _json_object(chunk.metadata), vec.tobytes(),
                     ),
                 )
                 added.append(int(cur.lastrowid))
@@ -530,6 +537,11 @@ class Catalog:
             self.conn.execute("BEGIN IMMEDIATE")
             self._batch.open, self._batch.documents, self._batch.keywords = True, 0, {}
         return _Savepoint(self.conn)
+
+
+def _json_object(values: dict) -> str:
+    """A metadata dict as the catalog stores it (most chunks have none: no encoder call)."""
+    return json.dumps(values, sort_keys=True, default=str) if values else "{}"
 
 
 class _Savepoint:
