@@ -18,7 +18,9 @@ def test_start_up_objects_are_frozen_and_later_cycles_still_collected():
     kept.self = kept  # a cycle alive at start-up
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # Frozen objects that another thread frees (one left by an earlier test in this worker)
+        # leave the permanent generation, so the count can only have dropped since.
+        assert 0 < gc.get_freeze_count() <= frozen
         # A full collection no longer scans it: it is in the permanent generation.
         assert not any(obj is kept for obj in gc.get_objects())
         later = Node()
