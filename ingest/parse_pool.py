@@ -2,8 +2,14 @@
 
 PDF, DOCX and HTML parsing is pure Python (pdfminer, lxml, unstructured) and holds the GIL, so
 one process parses one source at a time however many cores the job has. `ParsePool` hands whole
-sources to `workers` processes started with "spawn" (never fork: the parent holds torch and
-tokenizers threads, which a forked child would inherit in whatever state they were). A source that
+sources to `workers` processes. They are forked from a "forkserver" (never from the ingest process
+itself: it holds torch and tokenizers threads, which a forked child would inherit in whatever state
+they were), a fresh single-threaded process that imports and warms the parsers once
+(`ingest.parse_forkserver`) before forking any worker: started cold with "spawn", each worker spent
+its first ~10 s importing, all of them at once on the same cores, and on 16 cores a pool of 15
+parsed 2,340 small sources slower than one process (docs/benchmarks.md). `start_forkserver()` starts
+that server early (the ingest calls it before loading the embedder, so the warm-up runs beside the
+model's load). Where there is no forkserver (Windows), workers are spawned as before. A source that
 fails in a worker comes back as a `ParseFailure` carrying exactly the reason in-process parsing
 would have reported, so problem lists do not depend on where a source was parsed.
 """
@@ -14,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import threading
-import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -49,13 +54,49 @@ def parse_whole(item: SourceItem, stream_above: int) -> Parsed:
         return e
 
 
-def _exit_with_parent(parent: int) -> None:
+PRELOAD = "ingest.parse_forkserver"
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, preloading the warm parsers; "spawn" where there is none."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # Process-wide: the one forkserver of this process. It reads the list when it starts.
+    ctx.set_forkserver_preload([PRELOAD])
+    return ctx
+
+
+def start_forkserver() -> None:
+    """Start the parse workers' forkserver now, so its warm-up overlaps the caller's own start-up.
+
+    Returns at once: the server imports and warms the parsers in its own process, and the first
+    worker fork waits for that. A no-op where there is no forkserver or it already runs.
+    """
+    ctx = _context()
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def _exit_with_parent() -> None:
     """Worker initializer: end this process when the ingest process is gone (killed with SIGKILL, it
-    cannot stop its workers, and a worker blocked on the task queue never sees the queue close)."""
+    cannot stop its workers, and a worker blocked on the task queue never sees the queue close).
+
+    Watched through multiprocessing's parent sentinel, a pipe whose other end only the ingest
+    process holds: it reads EOF the moment that process dies, zombie or not, and it is the ingest
+    process's also for a worker forked by the forkserver (whose parent, by pid, is the server).
+    """
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing: nothing to watch
+        return
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+        wait([parent.sentinel])
         os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -90,8 +131,8 @@ class ParsePool:
         if self._broken:
             return None
         if self._executor is None:
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_exit_with_parent, initargs=(os.getpid(),))
+            self._executor = ProcessPoolExecutor(self.workers, mp_context=_context(),
+                                                 initializer=_exit_with_parent)
         try:
             return self._executor.submit(_parse_in_worker, item, self.stream_above)
         except BrokenProcessPool:

@@ -35,7 +35,7 @@ from ingest.batch_commit import BatchCommitter, CommitCounts, OpenDocument
 from ingest.chunk import Chunker
 from ingest.deletion_guard import DeletionGuard, DeletionRefusal
 from ingest.parse import STREAM_ABOVE_BYTES, document_bytes, is_streamed, parse_item_stream
-from ingest.parse_pool import Parsed, ParsePool, failure_reason, parse_whole
+from ingest.parse_pool import Parsed, ParsePool, failure_reason, parse_whole, start_forkserver
 from ingest.source_names import SourceNamer
 from ingest.sources import (
     COVERS_SOURCE,
@@ -175,6 +175,8 @@ class IngestPipeline:
                 process. Needs `chunk_batch` > 1. Results, problems and rows are the same.
         """
         assert chunk_batch >= 1 and workers >= 1
+        if workers > 1:
+            start_forkserver()  # warms the parsers while the run walks its first window
         self.chunk_batch = chunk_batch
         self.workers = workers
         self.overlap_embedding = overlap_embedding

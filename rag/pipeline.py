@@ -182,6 +182,10 @@ class Rag:
                 shard: tuple[int, int] | None, allow_mass_delete: bool) -> IngestReport:
         from ingest.chunk import Chunker, ChunkingConfig
 
+        if ingest_worker_count(self.settings.ingest_workers) > 1:
+            from ingest.parse_pool import start_forkserver
+
+            start_forkserver()  # the parse workers' warm-up runs beside the embedder's load below
         store = self.collection(collection, create=True)
         # Chunks of a document spanning several embed batches wait here (ingest/staging.py).
         staging = self.settings.home / "staging" / (

@@ -162,3 +162,43 @@ os.kill(os.getpid(), 9)
     while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in workers), "parse workers outlived the killed ingest process"
+
+
+def _parsers_already_imported() -> dict[str, bool]:
+    """Run in a worker: which heavy parser modules it holds (before parsing anything of theirs)."""
+    import sys
+
+    return {name: name in sys.modules for name in ("unstructured.partition.pdf", "unstructured.partition.docx",
+                                                  "ingest.parse_forkserver")}
+
+
+def test_workers_start_with_the_parsers_warm(tmp_path) -> None:
+    """Workers fork from a server that imported and warmed every parser once (not ~10 s each, cold)."""
+    import multiprocessing
+
+    from ingest.sources import SourceItem, walk_sources
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no forkserver on this platform: workers are spawned cold")
+    (tmp_path / "a.md").write_text("# A\n\nsome text\n")
+    pool = parse_pool.ParsePool(2, 1 << 20)
+    try:
+        item = next(i for i in walk_sources([tmp_path]) if isinstance(i, SourceItem))
+        parsed = pool.result(item, pool.submit(item))  # a Markdown source: it needs no PDF or DOCX parser
+        assert not isinstance(parsed, Exception)
+        probes = [pool._executor.submit(_parsers_already_imported) for _ in range(4)]
+        assert all(all(p.result(timeout=60).values()) for p in probes), [p.result() for p in probes]
+    finally:
+        pool.close()
+
+
+def test_warm_parsers_parse_their_tiny_documents() -> None:
+    from ingest.parse import _partition, _partitioner
+    from ingest.parse_warm import tiny_pdf, warm_parsers
+
+    assert set(warm_parsers()) == {"text", "md", "html", "pdf", "docx"}
+    import io
+
+    texts = [e.text for e in _partition(_partitioner("pdf"), "pdf", file=io.BytesIO(tiny_pdf("Hello there")),
+                                        strategy="fast")]
+    assert texts == ["Hello there"]
