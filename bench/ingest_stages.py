@@ -17,7 +17,8 @@ much of the wall time the rest of the pipeline adds.
 
 `--parse-only` times the parse stage alone over the same corpus, in turn for each `--workers`
 value, through the pipeline's own parse-ahead (`IngestPipeline._parsed_ahead`, chunking left
-out): 1 parses in this process (`ingest_workers = 1`), N starts a pool of N "spawn" processes as
+out): 1 parses in this process (`ingest_workers = 1`), N starts a pool of N processes (forked from
+the warm forkserver, which the first pool of the run starts and pays for) as
 each `rag ingest` does. Each time includes starting the pool and the parsers' imports in its
 processes (the first in-process run pays the import in this process; later ones do not).
 """
