@@ -305,3 +305,18 @@ def test_a_failure_indexing_a_batch_keywords_rolls_the_whole_batch_back(tmp_path
     assert _found(catalog, "beta", "public") == ["b"] and _found(catalog, "gamma", "group:g1") == []
     keyword_index.integrity_check(catalog.conn)
     assert all(kept == held for kept, held in _domain_counts(catalog.path).values())
+
+
+def test_a_batch_that_sqlite_rolled_back_leaves_no_keyword_rows_queued(tmp_path, catalog):
+    """Its chunk ids are reused by the next inserts: indexing its queued text under them would be wrong."""
+    from retrieval.stores.embedded import keyword_index
+
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_document(_doc("a"), frozenset({"group:g1"}), _words("a", "secret harbour"), _vecs(1, 0))
+    catalog.conn.execute("ROLLBACK")  # what SQLite does to the whole transaction on disk full or I/O error
+    index.replace_document(_doc("b"), frozenset({"group:g1"}), _words("b", "plain lighthouse"), _vecs(1, 1))
+    index.flush()
+    assert _committed(catalog.path) == [("b", 1)]
+    assert _found(catalog, "secret", "group:g1") == [] and _found(catalog, "lighthouse", "group:g1") == ["b"]
+    keyword_index.integrity_check(catalog.conn)
+    assert all(kept == held for kept, held in _domain_counts(catalog.path).values())

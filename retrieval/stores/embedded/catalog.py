@@ -533,6 +533,10 @@ class Catalog:
         return _Transaction(self.conn)
 
     def _savepoint(self) -> _Savepoint:
+        if getattr(self._batch, "open", False) and not self.conn.in_transaction:
+            # SQLite rolled the open batch back (a failed statement, disk full): its queued keyword
+            # rows name chunk ids that the next inserts will reuse, so they go with it.
+            self._batch.open, self._batch.keywords = False, {}
         if not getattr(self._batch, "open", False):
             self.conn.execute("BEGIN IMMEDIATE")
             self._batch.open, self._batch.documents, self._batch.keywords = True, 0, {}
