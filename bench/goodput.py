@@ -591,7 +591,9 @@ def plot(result: dict[str, Any], path: Path) -> str:
     ax.set_xscale("log")
     ax.set_xlabel("p99 time to first token (s)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{result['model'][:60]}\n{result['hardware'][:80]}", fontsize=8)
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(result["model"], 110) + textwrap.wrap(result["hardware"], 110)), fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
