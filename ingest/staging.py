@@ -61,17 +61,25 @@ class ChunkStaging:
                 self._db.execute("BEGIN")
                 self._db.execute("DELETE FROM staged_chunks")
                 self._db.execute("INSERT OR REPLACE INTO scope (id, value) VALUES (1, ?)", (scope,))
+        # Keys with staged rows. The file is this ingest's alone (one run per collection at a time),
+        # so the set stays exact, and `staged` of every other document (all of them, in a run that
+        # resumes nothing) costs no SQL: it was a write transaction and a query per document.
+        self._keys = {k for (k,) in self._db.execute("SELECT DISTINCT key FROM staged_chunks")}
 
     def close(self) -> None:
         self._db.close()
 
     def staged(self, key: str, content_hash: str) -> dict[int, str]:
         """{chunk index: text hash} staged for this version of `key`; other versions' rows are dropped."""
+        if key not in self._keys:
+            return {}
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM staged_chunks WHERE key = ? AND content_hash != ?", (key, content_hash))
-        rows = self._db.execute("SELECT idx, text_hash FROM staged_chunks WHERE key = ?", (key,))
-        return dict(rows.fetchall())
+        found = dict(self._db.execute("SELECT idx, text_hash FROM staged_chunks WHERE key = ?", (key,)).fetchall())
+        if not found:
+            self._keys.discard(key)
+        return found
 
     def put(self, key: str, content_hash: str, chunks: Sequence[Chunk], vectors: np.ndarray) -> None:
         """Stage chunks with their vectors, in one transaction (all of them survive a kill, or none)."""
@@ -84,6 +92,7 @@ class ChunkStaging:
                 " num_tokens, metadata, vector) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(key, content_hash, c.index, text_hash(c.text), c.text, c.heading, c.num_tokens,
                   json.dumps(c.metadata, sort_keys=True), v.tobytes()) for c, v in zip(chunks, vectors, strict=True)])
+        self._keys.add(key)
 
     def take(self, key: str, content_hash: str, dim: int) -> tuple[list[Chunk], np.ndarray]:
         """Every staged chunk of this version of `key`, by index, with its vectors (n, dim)."""
@@ -101,6 +110,7 @@ class ChunkStaging:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM staged_chunks WHERE key = ?", (key,))
+        self._keys.discard(key)
 
     def count(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM staged_chunks").fetchone()[0])
