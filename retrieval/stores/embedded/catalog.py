@@ -83,17 +83,15 @@ class Catalog:
         if not getattr(self._batch, "open", False):
             return
         try:
-            self._index_batch_keywords()  # clears the queue when SQLite rolled the batch back
+            if self.conn.in_transaction:  # else SQLite rolled it back already (a failed statement)
+                self._index_batch_keywords()
+                self.conn.execute("COMMIT")
         except BaseException:
-            self._batch.keywords = {}
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
             raise
         finally:
-            self._batch.open, self._batch.documents = False, 0
-        if not self.conn.in_transaction:  # SQLite rolled it back already (a failed statement)
-            return
-        self.conn.execute("COMMIT")
+            self._batch.open, self._batch.documents, self._batch.keywords = False, 0, {}
 
     @property
     def batch_documents(self) -> int:
@@ -146,9 +144,8 @@ class Catalog:
     def _dim(self, name: str) -> int:
         """The collection's vector size (one column: a write checks it for every document)."""
         row = self.conn.execute("SELECT dim FROM collections WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            self.get_collection(name)  # raises the NotFoundError that names the others
-        return int(row[0])
+        # None: get_collection raises the NotFoundError that names the others.
+        return int(row[0]) if row is not None else self.get_collection(name).dim
 
     def collection_names(self) -> list[str]:
         """The live collections (hidden generations being built or dropped are left out)."""
@@ -504,8 +501,8 @@ class Catalog:
     def _index_batch_keywords(self) -> None:
         """Index the queued keyword rows of this thread's open batch (inside its transaction)."""
         queued = self._batch_keywords()
-        if not (getattr(self._batch, "open", False) and self.conn.in_transaction):
-            queued.clear()  # no batch, or SQLite rolled it back: its chunks are gone too
+        if not self.conn.in_transaction:
+            queued.clear()  # SQLite rolled the batch back: its chunks are gone too
             return
         while queued:
             (collection, acl), rows = queued.popitem()
