@@ -17,7 +17,11 @@ record at a time: the path before batched chunking) and =256 (the default), in t
 `--overlap true false` runs each with the embedding overlapped with reading, chunking and writing
 (RAG_INGEST_OVERLAP_EMBEDDING=true, the default) and without. `--switch-ms 0 0.1` runs each with
 the interpreter's own GIL switch interval (5 ms) while the embed thread runs, and with 0.1 ms
-(RAG_INGEST_SWITCH_INTERVAL_MS; rag/switch_interval.py).
+(RAG_INGEST_SWITCH_INTERVAL_MS; rag/switch_interval.py). `--embed-process false true` runs each with
+the embedder in the ingest process and in a worker process of its own (RAG_INGEST_EMBED_PROCESS;
+the default on a GPU is the worker). The ingest's wall and total include whatever of the worker's
+start (spawn, imports, model load, warm-up) the walk and the first batches did not hide; the peer's
+time excludes its load.
 `--device cpu` runs where there is no GPU (use few records); `--parallelism unset` skips the
 "false" setting.
 """
@@ -70,7 +74,8 @@ def make_corpus(path: Path, records: int, seed: int = 0) -> None:
 
 
 def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", chunk_batch: int | None = None,
-        peer: bool = True, overlap: str | None = None, switch_ms: str | None = None) -> dict:
+        peer: bool = True, overlap: str | None = None, switch_ms: str | None = None,
+        embed_process: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if setting is not None:
         env["TOKENIZERS_PARALLELISM"] = setting
@@ -82,6 +87,8 @@ def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", 
         env["RAG_INGEST_OVERLAP_EMBEDDING"] = overlap
     if switch_ms is not None:
         env["RAG_INGEST_SWITCH_INTERVAL_MS"] = switch_ms
+    if embed_process is not None:
+        env["RAG_INGEST_EMBED_PROCESS"] = embed_process
     with tempfile.TemporaryDirectory() as home:
         env["RAG_HOME"] = home
         t = time.perf_counter()
@@ -113,6 +120,8 @@ def main() -> None:
                     help="RAG_INGEST_OVERLAP_EMBEDDING values to run (false: embed, then write, then chunk on)")
     ap.add_argument("--switch-ms", nargs="+", default=[None],
                     help="RAG_INGEST_SWITCH_INTERVAL_MS values to run (0: the interpreter's 5 ms while overlapped)")
+    ap.add_argument("--embed-process", nargs="+", choices=["true", "false"], default=[None],
+                    help="RAG_INGEST_EMBED_PROCESS values to run (true: the model in a worker process)")
     args = ap.parse_args()
     import torch
 
@@ -124,15 +133,16 @@ def main() -> None:
         cores = len(os.sched_getaffinity(0))
         print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
-        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | ingest wall | ingest embed stage "
-              "| embedder alone | embed stage / alone | ingest total / alone |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | ingest wall "
+              "| ingest embed stage | embedder alone | embed stage / alone | ingest total / alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for setting in (None, "false") if args.parallelism == "both" else (None,):
             peer_s = None
-            runs = [(c, o, m) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms]
-            for chunk_batch, overlap, switch_ms in runs:
+            runs = [(c, o, m, e) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms
+                    for e in args.embed_process]
+            for chunk_batch, overlap, switch_ms, embed_process in runs:
                 out = run(setting, corpus, args.embedder, args.device, chunk_batch, peer=peer_s is None,
-                          overlap=overlap, switch_ms=switch_ms)
+                          overlap=overlap, switch_ms=switch_ms, embed_process=embed_process)
                 s = out["summary"]
                 if out["peer"] is not None:
                     peer_s = out["peer"]["seconds"]
@@ -140,7 +150,7 @@ def main() -> None:
                 chunks = s.get("chunks_written") or s.get("chunks_embedded")
                 embed_s, total_s = s["seconds"]["embed"], s["seconds"]["total"]
                 print(f"| {setting or 'unset (CLI default)'} | {chunk_batch or 'default'} | {overlap or 'default'}"
-                      f" | {switch_ms or 'default'}"
+                      f" | {switch_ms or 'default'} | {embed_process or 'default'}"
                       f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
                       f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s ({peer_s:.1f} s)"
                       f" | {chunks / embed_s / peer:.2f}x | {peer_s / total_s:.2f}x ({total_s:.1f} s) |", flush=True)

@@ -83,7 +83,8 @@ class BatchCommitter:
     def __init__(self, index: CollectionStore, embed: Callable[[Sequence[str]], np.ndarray], batch_chunks: int,
                  staging: ChunkStaging, on_written: Callable[[OpenDocument], None],
                  clock: StageClock, on_batch: Callable[[CommitCounts], None] | None = None,
-                 overlap: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS) -> None:
+                 overlap: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS,
+                 embed_ready: Callable[[], None] | None = None) -> None:
         """
         Args:
             on_written: called after a document was written to the store.
@@ -94,6 +95,9 @@ class BatchCommitter:
                 and write each batch before `add` returns (the order of work of one thread).
             switch_interval_ms: the GIL switch interval while the embed thread runs (0: the
                 interpreter's own; rag/switch_interval.py says why).
+            embed_ready: waits until the embedder can embed (a model loading in a worker process
+                while this run reads); called before the first batch, its time counted as the
+                stage "embed_start", not "embed".
         Call `close()` when done (`flush()` first to keep the work).
         """
         assert batch_chunks >= 1
@@ -112,7 +116,8 @@ class BatchCommitter:
         self._switch_interval_ms = switch_interval_ms
         self._lowered = False
         self._thread: ThreadPoolExecutor | None = None
-        self._inflight: tuple[Batch, Future[tuple[np.ndarray, float]]] | None = None
+        self._inflight: tuple[Batch, Future[tuple[np.ndarray, float, float]]] | None = None
+        self._embed_ready = embed_ready
 
     @property
     def waiting(self) -> int:
@@ -203,20 +208,29 @@ class BatchCommitter:
             self._lowered = False
             release_shorter()
 
-    def _timed_embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
+    def _timed_embed(self, texts: list[str]) -> tuple[np.ndarray, float, float]:
+        """(vectors, seconds embedding, seconds waiting for the embedder to be ready first)."""
+        waited = 0.0
+        if self._embed_ready is not None:  # one batch at a time reaches here: no race
+            ready, self._embed_ready = self._embed_ready, None
+            started = time.perf_counter()
+            ready()
+            waited = time.perf_counter() - started
         started = time.perf_counter()
         vectors = self.embed(texts)
-        return vectors, time.perf_counter() - started
+        return vectors, time.perf_counter() - started, waited
 
-    def _collect(self, inflight: tuple[Batch, Future[tuple[np.ndarray, float]]]) -> None:
+    def _collect(self, inflight: tuple[Batch, Future[tuple[np.ndarray, float, float]]]) -> None:
         queue, future = inflight
         with self.clock("embed_wait"):
-            vectors, seconds = future.result()  # the embedder's error ends the run here
-        self._commit(queue, vectors, seconds)
+            vectors, seconds, waited = future.result()  # the embedder's error ends the run here
+        self._commit(queue, vectors, seconds, waited)
 
-    def _commit(self, queue: Batch, vectors: np.ndarray, embed_seconds: float) -> None:
+    def _commit(self, queue: Batch, vectors: np.ndarray, embed_seconds: float, start_seconds: float) -> None:
         """Write the documents a batch completes and stage the rest, then flush the store."""
         self.clock.add("embed", embed_seconds)
+        if start_seconds:
+            self.clock.add("embed_start", start_seconds)
         self.max_batch = max(self.max_batch, len(queue))
         touched: dict[int, OpenDocument] = {}
         for (entry, chunk), vector in zip(queue, vectors, strict=True):

@@ -147,7 +147,8 @@ class IngestPipeline:
                  guard: DeletionGuard | None = None,
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
                  stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1,
-                 overlap_embedding: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS) -> None:
+                 overlap_embedding: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS,
+                 embed_ready: Callable[[], None] | None = None) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -161,6 +162,8 @@ class IngestPipeline:
             overlap_embedding: embed each batch on a thread of its own while the run reads,
                 chunks and writes the others (False: one thing at a time; the same rows).
             switch_interval_ms: the GIL switch interval while the embed thread runs (0: unchanged).
+            embed_ready: waits until `embed` can run (a model loading in a worker process while
+                this run walks and parses); its wait is the stage "embed_start".
             max_document_bytes: sources larger than this are skipped and reported (0: no cap).
             staging_path: the SQLite file where a document's chunks wait until the last one is
                 embedded (durable, so a restart resumes inside a huge document); None keeps
@@ -181,6 +184,7 @@ class IngestPipeline:
         self.workers = workers
         self.overlap_embedding = overlap_embedding
         self.switch_interval_ms = switch_interval_ms
+        self.embed_ready = embed_ready
         self.max_document_bytes = max_document_bytes
         self.staging_path = staging_path
         self.stream_above_bytes = stream_above_bytes
@@ -248,7 +252,8 @@ class IngestPipeline:
 
         committer = BatchCommitter(self.store, self.embed, self.batch_chunks, staging,
                                    lambda entry: _count_written(entry, report), clock, on_batch,
-                                   overlap=self.overlap_embedding, switch_interval_ms=self.switch_interval_ms)
+                                   overlap=self.overlap_embedding, switch_interval_ms=self.switch_interval_ms,
+                                   embed_ready=self.embed_ready)
         def wants_parse(item: SourceItem | SourceProblem) -> bool:
             if isinstance(item, SourceProblem) or not mine(item.key):
                 return False

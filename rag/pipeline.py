@@ -7,6 +7,7 @@ what the CLI, the API and notebooks use.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -51,7 +52,7 @@ from retrieval.stores import CollectionStores
 from retrieval.stores.embedded.catalog import Catalog
 
 if TYPE_CHECKING:
-    from ingest.embed.embedder import Embedder
+    from ingest.embed.embedder import Embedder, EmbedderConfig
     from retrieval.base import CollectionStore
     from retrieval.rerank import CrossEncoderReranker
 
@@ -106,14 +107,32 @@ class Rag:
 
     @cached_property
     def embedder(self) -> Embedder:
-        from ingest.embed.embedder import Embedder, EmbedderConfig
+        from ingest.embed.embedder import Embedder
+
+        return Embedder(self._embedder_config())
+
+    def _embedder_config(self) -> EmbedderConfig:
+        from ingest.embed.embedder import EmbedderConfig
         from ingest.embed.packaged_bge import resolve_embedder_dir
 
         devices = tuple(self.settings.embed_devices) if self.settings.embed_devices else None
         model = resolve_embedder_dir(self.settings.embedder, self.settings.model_cache)  # "bge-small-en": converted
-        return Embedder(EmbedderConfig(model=model, device=self.settings.device,
-                                       batch_size=self.settings.embed_batch_size, dtype=self.settings.embed_dtype,
-                                       devices=devices, max_batch_tokens=self.settings.embed_max_batch_tokens))
+        return EmbedderConfig(model=model, device=self.settings.device,
+                              batch_size=self.settings.embed_batch_size, dtype=self.settings.embed_dtype,
+                              devices=devices, max_batch_tokens=self.settings.embed_max_batch_tokens)
+
+    def load_ingest_embedder(self) -> None:
+        """Load the embedder for an ingest: in a worker process where `ingest_embed_process` says
+        so (by default where it runs on a GPU). An embedder this object loaded before stays."""
+        if "embedder" in self.__dict__:
+            return
+        from ingest.embed.embedder import Embedder, picks_gpu
+
+        config = self._embedder_config()
+        in_worker = self.settings.ingest_embed_process
+        if in_worker is None:
+            in_worker = picks_gpu(config)
+        self.__dict__["embedder"] = Embedder(dataclasses.replace(config, in_worker=in_worker))
 
     @cached_property
     def reranker(self) -> CrossEncoderReranker:
@@ -186,6 +205,7 @@ class Rag:
             from ingest.parse_pool import start_forkserver
 
             start_forkserver()  # the parse workers' warm-up runs beside the embedder's load below
+        self.load_ingest_embedder()
         store = self.collection(collection, create=True)
         # Chunks of a document spanning several embed batches wait here (ingest/staging.py).
         staging = self.settings.home / "staging" / (
@@ -208,7 +228,8 @@ class Rag:
                                       staging_path=staging, chunk_batch=chunk_batch,
                                       workers=ingest_worker_count(self.settings.ingest_workers),
                                       overlap_embedding=self.settings.ingest_overlap_embedding,
-                                      switch_interval_ms=self.settings.ingest_switch_interval_ms)  # fmt: skip
+                                      switch_interval_ms=self.settings.ingest_switch_interval_ms,
+                                      embed_ready=self.embedder.wait_ready)  # fmt: skip
             return pipeline.run(paths, progress, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:

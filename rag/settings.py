@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     # others (on a GPU node the embedder otherwise waits for all of that); false does one thing
     # at a time. The rows are the same either way.
     ingest_overlap_embedding: bool = True
+    # Run the embedder of `rag ingest` in a process of its own (spawned; this one keeps only the
+    # tokenizer the chunker counts with): its many short GPU launches then never wait for the GIL
+    # of the reading, chunking and writing. None = where the embedder runs on a GPU. The model
+    # loads while the sources are walked; the vectors are the same.
+    ingest_embed_process: bool | None = None
     # While an overlapped embed thread runs, the interpreter's GIL switch interval in ms (its
     # default is 5): the embedder's short GPU launches each need the GIL back and would otherwise
     # wait up to the whole interval beside the chunking and writing (rag/switch_interval.py,

@@ -18,6 +18,9 @@ from rag.errors import ConfigError, ModelError
 from rag.quiet import quiet_libraries
 
 if TYPE_CHECKING:
+    import torch
+
+    from ingest.embed.runner import EncoderRunner
     from ingest.embed.workers import EmbedWorkers
 
 DEFAULT_EMBEDDER_NAME = "all-MiniLM-L6-v2"
@@ -76,6 +79,10 @@ class EmbedderConfig:
     devices: the GPUs that bulk embedding spreads over, one process each, e.g. ("cuda:0",
         "cuda:1"); None means every visible GPU when device is None or "cuda", else just device.
     max_batch_tokens: padded tokens per forward pass (64-16777216); None means batch_size × max_length.
+    in_worker: run the model in a spawned process for every device, the first one too; this process
+        loads only the tokenizer and the model's config. `rag ingest` on a GPU does (setting
+        ingest_embed_process): the model's many short launches then never wait for the GIL of the
+        thread that reads, chunks and writes. The vectors are the same.
     """
 
     model: str | Path | None = None
@@ -85,6 +92,7 @@ class EmbedderConfig:
     dtype: str = "auto"
     devices: tuple[str, ...] | None = None
     max_batch_tokens: int | None = None
+    in_worker: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | Path):
@@ -214,6 +222,15 @@ def _pick_devices(config: EmbedderConfig) -> tuple[str, ...]:
     return wanted
 
 
+def picks_gpu(config: EmbedderConfig) -> bool:
+    """Whether an embedder with this config runs on a GPU (its first device is one).
+
+    Raises:
+        ConfigError: the config asks for a GPU that is not there.
+    """
+    return _pick_devices(config)[0].startswith("cuda")
+
+
 def _pick_dtype(name: str, device: str) -> str:
     """The torch dtype name for a config dtype on a device."""
     if name != "auto":
@@ -253,7 +270,7 @@ class Embedder:
             ConfigError: a CUDA device was asked for on a machine without one (or that GPU).
         """
         import torch
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from ingest.embed.runner import EncoderRunner, load_encoder
 
@@ -282,23 +299,35 @@ class Embedder:
         self.devices = _pick_devices(config)
         self.device = self.devices[0]
         self.dtype = _pick_dtype(config.dtype, self.device)
+        self.model: torch.nn.Module | None = None  # None: the model runs in worker processes only
         try:
             with quiet_libraries():  # our progress, not transformers' bars
                 self.tokenizer: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-                self.model = load_encoder(folder, self.device, getattr(torch, self.dtype))
+                if config.in_worker:
+                    model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+                else:
+                    self.model = load_encoder(folder, self.device, getattr(torch, self.dtype))
+                    model_config = self.model.config
         except Exception as e:  # a broken folder fails in many ways; all mean "fix the folder"
             raise ModelError(f"could not load the embedding model from {folder}: {e}") from e
-        self.dim = int(self.model.config.hidden_size)
-        max_positions = getattr(self.model.config, "max_position_embeddings", None) or 512
+        self.dim = int(model_config.hidden_size)
+        max_positions = getattr(model_config, "max_position_embeddings", None) or 512
         # Some checkpoints reserve position slots (RoBERTa's padding offset), so never go past
         # what the tokenizer itself declares either.
         tokenizer_max = getattr(self.tokenizer, "model_max_length", max_positions)
         self.max_length = min(config.max_length, max_positions, tokenizer_max)
         self.max_batch_tokens = config.max_batch_tokens or config.batch_size * self.max_length
-        self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
-                                    self.max_batch_tokens)
         self._workers: EmbedWorkers | None = None
         self._workers_lock = threading.Lock()
+        self.runner: EncoderRunner | None = None  # the model in this process, if it runs here
+        if self.model is None:
+            # Started now and waited for at the first call, so the model loads while the caller
+            # walks and parses its sources.
+            self._start_workers(self.devices, wait=False)
+        else:
+            self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
+                                        self.max_batch_tokens)
+            self.runner.warm_up()
 
     def embed(
         self, texts: Sequence[str], progress: Callable[[int], None] | None = None
@@ -316,48 +345,72 @@ class Embedder:
             ModelError: a worker process for another GPU failed to start or to embed.
         """
         texts = list(texts)
-        shards = min(len(self.devices), len(texts) // _MIN_TEXTS_PER_DEVICE)
-        if shards <= 1:
+        shards = max(1, min(len(self.devices), len(texts) // _MIN_TEXTS_PER_DEVICE))
+        if shards == 1 and self.runner is not None:
             return self.runner.run(texts, progress)
         with self._workers_lock:  # one call at a time talks to the workers
             return self._embed_spread(texts, shards, progress)
+
+    def wait_ready(self) -> None:
+        """Block until the model can embed: at once when it runs here, else once its worker
+        processes have loaded it (the first `embed` waits the same way).
+
+        Raises:
+            ModelError: a worker process could not load the model.
+        """
+        with self._workers_lock:
+            if self._workers is not None:
+                self._workers.wait_ready()
 
     def embed_query(self, text: str) -> np.ndarray:
         """Embed one query (after the model's query prompt, if it has one); a float32 (dim,) unit vector."""
         return self.embed([self.query_prompt + text])[0]
 
     def close(self) -> None:
-        """Stop the worker processes of other GPUs, if any were started (idempotent)."""
+        """Stop the worker processes, if any were started (idempotent; a later call starts them again)."""
         with self._workers_lock:
             if self._workers is not None:
                 self._workers.close()
                 self._workers = None
 
-    def _embed_spread(self, texts: list[str], shards: int, progress: Callable[[int], None] | None) -> np.ndarray:
-        if self._workers is None:
-            from ingest.embed.runner import RunnerSpec
-            from ingest.embed.workers import EmbedWorkers
+    def _start_workers(self, devices: Sequence[str], wait: bool) -> None:
+        from ingest.embed.runner import RunnerSpec
+        from ingest.embed.workers import EmbedWorkers
 
-            specs = [RunnerSpec(str(self.folder), device, self.dtype, self.pooling, self.max_length,
-                                self.max_batch_tokens) for device in self.devices[1:]]
-            self._workers = EmbedWorkers(specs)
-            weakref.finalize(self, self._workers.close)
+        specs = [RunnerSpec(str(self.folder), device, self.dtype, self.pooling, self.max_length,
+                            self.max_batch_tokens) for device in devices]
+        self._workers = EmbedWorkers(specs, wait=wait)
+        weakref.finalize(self, self._workers.close)
+
+    def _embed_spread(self, texts: list[str], shards: int, progress: Callable[[int], None] | None) -> np.ndarray:
+        """Embed on `shards` devices: the model in this process takes the first share (if it runs
+        here), worker processes the others."""
+        local = self.runner is not None
+        if self._workers is None:  # the other GPUs' workers (model here), or again after close()
+            self._start_workers(self.devices[1:] if local else self.devices, wait=True)
+        assert self._workers is not None
         # Deal texts out longest first, round robin, so every device gets the same mix of lengths
         # and they finish together.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
         parts = [order[k::shards] for k in range(shards)]
+        remote = list(range(1, shards) if local else range(shards))  # parts the workers embed
+        worker = (lambda k: k - 1) if local else (lambda k: k)
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        for k in range(1, shards):
-            self._workers.submit(k - 1, [texts[i] for i in parts[k]])
+        submitted = []
         try:
-            out[parts[0]] = self.runner.run([texts[i] for i in parts[0]], progress)
+            for k in remote:
+                self._workers.submit(worker(k), [texts[i] for i in parts[k]])
+                submitted.append(k)
+            if local:
+                assert self.runner is not None
+                out[parts[0]] = self.runner.run([texts[i] for i in parts[0]], progress)
         finally:
             # Collect every submitted result even when this device failed, so none is left
             # in a pipe for the next call to read.
             errors = []
-            for k in range(1, shards):
+            for k in submitted:
                 try:
-                    out[parts[k]] = self._workers.result(k - 1)
+                    out[parts[k]] = self._workers.result(worker(k))
                     if progress is not None:
                         progress(len(parts[k]))
                 except ModelError as e:

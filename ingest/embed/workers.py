@@ -1,4 +1,6 @@
-"""Worker processes that each run the embedder on one more GPU, so several GPUs embed one call."""
+"""Worker processes that each run the embedder on one device: one per extra GPU, so several GPUs embed
+one call, or every device, so the model's launches never wait for the GIL of the process that reads,
+chunks and writes (`EmbedderConfig.in_worker`)."""
 
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ def _serve(spec: RunnerSpec, conn: Connection, tokenizer_threads: int) -> None:
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(spec.device)  # pinned buffers and streams belong to this GPU
         runner = EncoderRunner.from_spec(spec)
+        runner.warm_up()
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", runner.dim))
     while True:
-        texts = conn.recv()
+        try:
+            texts = conn.recv()
+        except (EOFError, OSError):  # the process that started this one is gone
+            return
         if texts is None:
             return
         try:
@@ -47,8 +53,16 @@ class EmbedWorkers:
     Calls are not thread-safe; the embedder serializes them.
     """
 
-    def __init__(self, specs: Sequence[RunnerSpec]) -> None:
+    def __init__(self, specs: Sequence[RunnerSpec], wait: bool = True) -> None:
+        """Start one process per spec.
+
+        Args:
+            wait: return once every worker has loaded its model (raising ModelError if one could
+                not); False returns at once and the first `submit` waits (the caller reads or
+                parses meanwhile).
+        """
         ctx = mp.get_context("spawn")
+        self._starting = False
         self.specs = list(specs)
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
@@ -60,6 +74,19 @@ class EmbedWorkers:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+        self._starting = True
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every worker has its model loaded (at once when they have).
+
+        Raises:
+            ModelError: a worker could not load the model (the workers are stopped).
+        """
+        if not self._starting:
+            return
+        self._starting = False
         for i in range(len(self.specs)):
             kind, value = self._receive(i)
             if kind != "ready":
@@ -71,7 +98,14 @@ class EmbedWorkers:
 
     def submit(self, i: int, texts: list[str]) -> None:
         """Send texts to worker i; collect the vectors with result(i)."""
-        self._conns[i].send(texts)
+        self.wait_ready()
+        if not self._conns:
+            raise ModelError("the embedding workers were stopped")
+        try:
+            self._conns[i].send(texts)
+        except (OSError, ValueError) as e:  # its end of the pipe is gone: the process died
+            raise ModelError(f"the embedding worker for {self.specs[i].device} died ({type(e).__name__}); "
+                             "see its output above") from e
 
     def result(self, i: int) -> np.ndarray:
         """The vectors of the texts last submitted to worker i (blocks until they are ready).
@@ -86,6 +120,7 @@ class EmbedWorkers:
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
+        self._starting = False
         for conn in self._conns:
             try:
                 conn.send(None)

@@ -120,6 +120,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         return ShardIngest(report, shard, num_shards, None, rag.collection(name).stats())
 
     roots = scan_roots(paths)
+    rag.load_ingest_embedder()
     embedder = rag.embedder
     # Built as one job with these settings would build the collection: if they differ from the
     # collection's, that job would write its next version, and the merge does the same.
@@ -162,6 +163,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                                 workers=ingest_worker_count(settings.ingest_workers),
                                 overlap_embedding=settings.ingest_overlap_embedding,
                                 switch_interval_ms=settings.ingest_switch_interval_ms,
+                                embed_ready=embedder.wait_ready,
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
