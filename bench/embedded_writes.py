@@ -13,6 +13,9 @@ every embed batch, and the `save()` that ends the run. Defaults match the H200 `
   batched catalog writes; the same code as the others, measured in this run).
 - `--batch N`: flush after every N documents, as ingest does after an embed batch of N one-chunk
   documents (256 on a CPU, 4096 on a GPU by default).
+- `--grouped`: each `--batch N` > 1 also in one `replace_documents` call a batch (ids assigned
+  under the write lock, a few `executemany` statements for all rows: what ingest now does), in the
+  same run as one `replace_document` call a document.
 Run it with PYTHONPATH set to a checkout before the change to time the old code itself (its
 `flush()` is a no-op there, so every row is one transaction per document).
 """
@@ -32,8 +35,13 @@ from bench.machine import describe_machine  # noqa: E402
 from bench.pgvector_writes import CHUNKING, documents  # noqa: E402
 
 
-def write_all(work: Path, docs: list, batch: int, dim: int) -> tuple[float, float]:
-    """(seconds in replace_document + flush, seconds in save) for `docs` into a fresh collection."""
+def write_all(work: Path, docs: list, batch: int, dim: int, grouped: bool = False) -> tuple[float, float]:
+    """(seconds in the writes + flush, seconds in save) for `docs` into a fresh collection.
+
+    grouped: each batch of documents in one `replace_documents` call (as ingest writes what an
+    embed batch completes), else one `replace_document` call a document.
+    """
+    from retrieval.records import DocumentWrite
     from retrieval.stores.embedded.catalog import Catalog
     from retrieval.stores.embedded.collection import EmbeddedCollection
 
@@ -45,10 +53,15 @@ def write_all(work: Path, docs: list, batch: int, dim: int) -> tuple[float, floa
     store.batch_writes = True
     try:
         started = time.perf_counter()
-        for n, (doc, acl, chunks, vectors) in enumerate(docs, 1):
-            store.replace_document(doc, acl, chunks, vectors)
-            if n % batch == 0:
+        if grouped:
+            for i in range(0, len(docs), batch):
+                store.replace_documents([DocumentWrite(*d) for d in docs[i:i + batch]])
                 store.flush()
+        else:
+            for n, (doc, acl, chunks, vectors) in enumerate(docs, 1):
+                store.replace_document(doc, acl, chunks, vectors)
+                if n % batch == 0:
+                    store.flush()
         store.flush()
         written = time.perf_counter()
         store.save()
@@ -65,21 +78,23 @@ def main(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     corpus = documents(range(args.docs), args)
     print(f"# corpus generated in {time.perf_counter() - t:.0f} s")
-    results: dict[int, list[tuple[float, float]]] = {b: [] for b in args.batch}
+    settings = [(b, g) for b in args.batch for g in ((False, True) if args.grouped and b > 1 else (False,))]
+    results: dict[tuple[int, bool], list[tuple[float, float]]] = {k: [] for k in settings}
     for _ in range(args.rounds):
-        for batch in args.batch:
+        for batch, grouped in settings:
             with tempfile.TemporaryDirectory(prefix="embedded-writes-") as tmp:
-                results[batch].append(write_all(Path(tmp), corpus, batch, args.dim))
+                results[batch, grouped].append(write_all(Path(tmp), corpus, batch, args.dim, grouped))
     print()
-    print("| documents a transaction | write s (each round) | save s | documents/s (best) | vs 1 a transaction |")
-    print("|---|---|---|---|---|")
+    print("| documents a transaction | calls | write s (each round) | save s | documents/s (best) | vs the first row |")
+    print("|---|---|---|---|---|---|")
     base = None
-    for batch, runs in results.items():
+    for (batch, grouped), runs in results.items():
         best = min(w + s for w, s in runs)
         rate = args.docs / best
         base = base or rate
-        print(f"| {batch} | {', '.join(f'{w:.1f}' for w, _ in runs)} | {min(s for _, s in runs):.1f} "
-              f"| {rate:,.0f} | {rate / base:.1f}x |")
+        calls = "one a batch (replace_documents)" if grouped else "one a document"
+        print(f"| {batch} | {calls} | {', '.join(f'{w:.1f}' for w, _ in runs)} | {min(s for _, s in runs):.1f} "
+              f"| {rate:,.0f} | {rate / base:.2f}x |")
 
 
 if __name__ == "__main__":
@@ -91,4 +106,6 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 256, 4096],
                         help="documents between flushes (the first row is the peer)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--grouped", action="store_true",
+                        help="also one replace_documents call a batch (as ingest writes), beside one call a document")
     main(parser.parse_args())

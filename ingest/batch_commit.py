@@ -34,6 +34,7 @@ from ingest.staging import ChunkStaging, text_hash
 from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS, acquire_shorter, release_shorter
 from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
+from retrieval.records import DocumentWrite
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class BatchCommitter:
         assert entry is not None
         entry.complete = True
         if entry.num_chunks and entry.waiting == 0:  # its last chunk was embedded (or staged) already
-            self._write(entry)
+            self._write([entry])
         return entry.num_chunks
 
     def abort(self) -> None:
@@ -247,12 +248,14 @@ class BatchCommitter:
                  self.counts.chunks_embedded)
         with self.clock("write"):
             try:
+                whole = []
                 for entry in touched.values():
                     if entry.complete and entry.waiting == 0:
-                        self._write(entry)
+                        whole.append(entry)
                     else:  # still being read (or waiting for more of its chunks): keep the work
                         self._stage(entry)
-            finally:  # also when a write failed: the documents written before it are whole
+                self._write(whole)
+            finally:  # also when a write failed: the batches written before it are whole
                 self.index.flush()
         if self.on_batch is not None:
             self.on_batch(self.counts)
@@ -264,7 +267,26 @@ class BatchCommitter:
         entry._staged.update((c.index, text_hash(c.text)) for c in entry._ready)
         entry._ready, entry._vectors = [], []
 
-    def _write(self, entry: OpenDocument) -> None:
+    def _write(self, entries: list[OpenDocument]) -> None:
+        """Write whole documents to the store in one call (all or none), then drop what they had staged."""
+        if not entries:
+            return
+        writes = [self._document_write(entry) for entry in entries]
+        self.index.replace_documents(writes)
+        staged = [entry for entry in entries if entry._staged]
+        if staged:
+            # After the store's commit (a store may buffer the write: flush it first): a kill in
+            # between leaves rows that the next run drops (the document is unchanged then, and a
+            # finished run deletes the staging file).
+            self.index.flush()
+            for entry in staged:
+                self.staging.discard(entry.doc.key)
+        for entry in entries:
+            entry._ready, entry._vectors, entry._staged = [], [], {}
+            self.on_written(entry)
+
+    def _document_write(self, entry: OpenDocument) -> DocumentWrite:
+        """A whole document's chunks and vectors: this run's, merged with what an earlier run staged."""
         doc = entry.doc
         if entry._staged:
             staged, staged_vectors = self.staging.take(doc.key, doc.content_hash, self.index.info.dim)
@@ -280,12 +302,4 @@ class BatchCommitter:
         else:
             chunks, vectors = entry._ready, np.stack(entry._vectors)
         assert [c.index for c in chunks] == list(range(entry.num_chunks)), doc.key
-        self.index.replace_document(doc, entry.acl, chunks, vectors)
-        if entry._staged:
-            # After the store's commit (a store may buffer the write: flush it first): a kill in
-            # between leaves rows that the next run drops (the document is unchanged then, and a
-            # finished run deletes the staging file).
-            self.index.flush()
-            self.staging.discard(doc.key)
-        entry._ready, entry._vectors, entry._staged = [], [], {}
-        self.on_written(entry)
+        return DocumentWrite(doc, entry.acl, chunks, vectors)

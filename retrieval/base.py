@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from rag.types import Chunk, Document, Hit
-from retrieval.records import BuildOutcome, ChunkRecord, CollectionInfo, DocumentState
+from retrieval.records import BuildOutcome, ChunkRecord, CollectionInfo, DocumentState, DocumentWrite
 
 
 class VectorIndex(Protocol):
@@ -75,6 +75,11 @@ class CollectionStore(Protocol):
     # -- writes: each one is atomic (a crash leaves the old or the new document, never half)
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None: ...
+
+    def replace_documents(self, writes: Sequence[DocumentWrite]) -> None:
+        """`replace_document` for each, in order (what ingest writes after an embed batch); a store
+        may write them together, all or none."""
+        ...
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         """Change a document's ACL without touching its chunks or vectors (NotFoundError if absent)."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from rag.types import Chunk, Document
 from retrieval.base import CollectionStore
-from retrieval.records import BuildOutcome, ChunkRecord, CollectionInfo, DocumentState, describe
+from retrieval.records import BuildOutcome, ChunkRecord, CollectionInfo, DocumentState, DocumentWrite, describe
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ class CollectionBuild(ABC):
                          vectors: np.ndarray) -> None:
         self._mirror_acl(doc.key, acl)
         self.build.replace_document(doc, acl, chunks, vectors)
+
+    def replace_documents(self, writes: Sequence[DocumentWrite]) -> None:
+        for w in writes:
+            self._mirror_acl(w.doc.key, w.acl)
+        self.build.replace_documents(writes)
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         self._mirror_acl(key, acl)

@@ -9,7 +9,14 @@ collection's documents. Backends live in `retrieval.stores`; none of them owns t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from rag.types import Chunk, Document
 
 # Hidden generations of a collection are named NAME@G; '@' is not allowed in collection names
 # (`rag.settings.check_collection_name`), so they can never clash with a user's collection.
@@ -18,6 +25,15 @@ GENERATION_SEP = "@"
 def generation_name(name: str, generation: int) -> str:
     """The catalog name of a hidden generation of collection `name`."""
     return f"{name}{GENERATION_SEP}{generation}"
+
+
+class DocumentWrite(NamedTuple):
+    """One document as `CollectionStore.replace_documents` takes it: its chunks and their vectors (n, dim)."""
+
+    doc: Document
+    acl: frozenset[str]
+    chunks: Sequence[Chunk]
+    vectors: np.ndarray
 
 
 @dataclass(frozen=True)

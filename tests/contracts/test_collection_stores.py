@@ -23,7 +23,7 @@ import pytest
 from rag.errors import NotFoundError, StoreError
 from rag.types import Chunk, Document
 from retrieval.rebuild import CollectionBuild
-from retrieval.records import BuildSpec
+from retrieval.records import BuildSpec, DocumentWrite
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.stores.embedded.collection import EmbeddedCollection
 from retrieval.vectors.faiss_ann import HnswIndex, IvfIndex
@@ -127,6 +127,25 @@ class Corpus:
                   for i, t in enumerate(texts)]
         self.store.replace_document(doc, acl, chunks, vecs)
         self.docs[key] = (acl, texts, vecs)
+
+    def write_many(self, specs: list[tuple[str, int, frozenset[str], list[str] | None]]) -> None:
+        """Several documents in one `replace_documents` call (as ingest writes an embed batch's)."""
+        writes = []
+        for key, n_chunks, acl, texts in specs:
+            writes.append(self._make(key, n_chunks, acl, texts))
+            self.docs[key] = (acl, [c.text for c in writes[-1].chunks], writes[-1].vectors)
+        self.store.replace_documents(writes)
+
+    def _make(self, key: str, n_chunks: int, acl: frozenset[str], texts: list[str] | None) -> DocumentWrite:
+        texts = texts or [f"{key} part {i} " + " ".join(self.rng.choice(WORDS, size=8).tolist())
+                          for i in range(n_chunks)]
+        vecs = self.rng.standard_normal((len(texts), DIM)).astype(np.float32)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        body = "\n".join(texts)
+        doc = Document(key=key, source=f"/lab/{key}.md", text=body,
+                       content_hash=hashlib.sha256(body.encode()).hexdigest(), acl=acl, title=key)
+        chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=len(t.split())) for i, t in enumerate(texts)]
+        return DocumentWrite(doc, acl, chunks, vecs)
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         self.store.set_acl(key, acl)
@@ -238,6 +257,34 @@ def test_replace_delete_and_stats(store):
     assert store.stats() == {"documents": 1, "chunks": 2}
     assert set(store.document_states()) == {"b"}
     assert {loc[0] for loc, _ in corpus.located(store.search(q, 10, ["public"]))} == {"b"}
+
+
+def test_documents_written_together_read_like_documents_written_one_by_one(store):
+    # What ingest writes after each embed batch: new documents, new versions of stored ones (old
+    # chunks gone, under the new ACL only), the same document twice; every reader sees the reference.
+    corpus = Corpus(store, seed=13)
+    corpus.write("kept", 2, frozenset({"group:g0"}))
+    corpus.write("shrinks", 3, frozenset({"group:g1"}))
+    corpus.write("moves", 2, frozenset({"group:g2"}))
+    corpus.write_many([
+        ("shrinks", 1, frozenset({"group:g1"}), None),
+        ("new1", 2, frozenset({"group:g2", "user:alice"}), None),
+        ("moves", 2, frozenset({"group:g3"}), ["moves part 0 QOSMaxGRESPerJob", "moves part 1 sample"]),
+        ("new2", 1, frozenset({"public"}), None),
+    ])
+    corpus.write_many([("twice", 2, frozenset({"group:g4"}), None), ("twice", 1, frozenset({"group:g5"}), None)])
+    assert store.stats() == {"documents": 6, "chunks": 2 + 1 + 2 + 2 + 1 + 1}
+    rng = np.random.default_rng(14)
+    for tokens in (["group:g0"], ["group:g1"], ["group:g2"], ["group:g3", "user:bob"], ["user:alice"],
+                   ["public"], ["group:g4"], ["group:g5"]):
+        q = _query(rng)
+        _assert_same(corpus.located(store.search(q, 10, tokens, exact=True)), corpus.expected(q, 10, tokens))
+    assert store.search(_query(rng), 10, ["group:g4"]) == []  # the first "twice" was replaced whole
+    # The moved document's words are searchable under its new ACL only.
+    assert store.keyword_search("QOSMaxGRESPerJob", 5, ["group:g2"]) == []
+    assert [loc for loc, _ in corpus.located(store.keyword_search("QOSMaxGRESPerJob", 5, ["group:g3"]))] == \
+        [("moves", 0)]
+    assert store.document_states()["moves"].acl == frozenset({"group:g3"})
 
 
 def test_acl_change_moves_visibility_without_touching_vectors(store):

@@ -42,6 +42,10 @@ class RecordingStore:
         self.events.append(("write", doc.key))
         self.rows[doc.key] = ([c.text for c in chunks], vectors)
 
+    def replace_documents(self, writes: list) -> None:
+        for w in writes:
+            self.replace_document(*w)
+
     def flush(self) -> None:
         self.events.append(("flush", None))
 

@@ -320,3 +320,72 @@ def test_a_batch_that_sqlite_rolled_back_leaves_no_keyword_rows_queued(tmp_path,
     assert _found(catalog, "secret", "group:g1") == [] and _found(catalog, "lighthouse", "group:g1") == ["b"]
     keyword_index.integrity_check(catalog.conn)
     assert all(kept == held for kept, held in _domain_counts(catalog.path).values())
+
+
+# -- several documents in one call (`replace_documents`, what ingest writes per embed batch) ----
+
+
+def _write(key: str, n: int, seed: int, acl: frozenset[str] = frozenset({"public"}), text: str = "x"):
+    from retrieval.records import DocumentWrite
+
+    return DocumentWrite(_doc(key, text), acl, _chunks(key, n), _vecs(n, seed))
+
+
+def test_documents_written_together_get_the_rows_and_ids_of_one_by_one_writes(tmp_path):
+    # Ids are assigned by the grouped write itself: they must be what AUTOINCREMENT gives, so the
+    # vector index (which follows chunk ids) and every reader see the same catalog either way.
+    first = [_write("a", 2, 0), _write("b", 3, 1, frozenset({"group:x", "user:u"})), _write("c", 1, 2)]
+    second = [_write("b", 1, 3, frozenset({"group:y"}), "v2"), _write("d", 0, 4), _write("e", 2, 5)]
+    dumps, ids, results = [], [], []
+    for mode in ("one", "many"):
+        catalog = Catalog(tmp_path / f"{mode}.sqlite")
+        catalog.create_collection("docs", "test-embedder", "fp1", DIM, {"max_tokens": 100})
+        got = []
+        for writes in (first, second):
+            if mode == "one":
+                got += [catalog.replace_document("docs", *w, batched=True) for w in writes]
+            else:
+                got += catalog.replace_documents("docs", writes, batched=True)
+            catalog.commit()
+        results.append(got)
+        dumps.append(catalog.dump("docs"))
+        ids.append(catalog.conn.execute(
+            "SELECT d.key, d.id, c.id FROM documents d LEFT JOIN chunks c ON c.document_id = d.id ORDER BY 1, 3"
+        ).fetchall())
+        assert _found(catalog, "part", "group:y") == ["b"] and _found(catalog, "part", "group:x") == []
+        assert catalog.version("docs") == 6
+        catalog.close()
+    assert results[0] == results[1] and ids[0] == ids[1]
+    assert [{k: v for k, v in r.items() if k != "vector"} for r in dumps[0]] == \
+        [{k: v for k, v in r.items() if k != "vector"} for r in dumps[1]]
+
+
+def test_ids_of_deleted_rows_are_never_given_again(tmp_path, catalog):
+    # The vector index may still hold a removed id until it is saved: the catalog never reuses one.
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_documents([_write("a", 2, 0), _write("b", 2, 1)])
+    index.flush()
+    top = catalog.conn.execute("SELECT max(id) FROM chunks").fetchone()[0]
+    index.delete_document("b")  # the highest ids go
+    index.replace_documents([_write("c", 2, 2)])
+    index.flush()
+    new = [r[0] for r in catalog.conn.execute(
+        "SELECT c.id FROM chunks c JOIN documents d ON d.id = c.document_id WHERE d.key = 'c'")]
+    assert min(new) > top
+
+
+def test_documents_written_together_roll_back_together_and_alone(tmp_path, catalog):
+    index = _ingest_index(catalog, tmp_path)
+    index.replace_documents([_write("a", 2, 0, text="v1")])
+    index.flush()
+    index.replace_document(_doc("b"), frozenset({"public"}), _chunks("b", 1), _vecs(1, 1))
+    bad = _write("a", 2, 1, text="v2")._replace(chunks=[Chunk("a", 0, "dup", 1), Chunk("a", 0, "dup", 1)])
+    with pytest.raises(sqlite3.IntegrityError):  # UNIQUE(document, idx)
+        index.replace_documents([_write("new", 1, 2, text="token-of-the-failed-group"), bad])
+    index.replace_documents([_write("c", 1, 3)])
+    index.flush()
+    # Nothing of the failed group ("new", the new "a"); the documents of the batch before and after it commit.
+    assert _committed(catalog.path) == [("a", 2), ("b", 1), ("c", 1)]
+    assert [r["text"] for r in catalog.dump("docs") if r["key"] == "a"] == ["a part 0", "a part 1"]
+    assert _found(catalog, "token-of-the-failed-group", "public") == []
+    assert _found(catalog, "part", "public") == ["a", "a", "b", "c"]  # one hit a chunk

@@ -28,7 +28,7 @@ from rag.errors import StoreError
 from rag.private_files import private_mkdir
 from rag.types import Chunk, Document
 from retrieval.base import VectorIndex
-from retrieval.records import ChunkRecord, CollectionInfo, DocumentState
+from retrieval.records import ChunkRecord, CollectionInfo, DocumentState, DocumentWrite
 from retrieval.stores.embedded.catalog import Catalog
 from retrieval.vectors import load_vector_index, make_vector_index
 from retrieval.vectors.row_sets import RowSet, union, unique_sorted
@@ -167,6 +167,16 @@ class EmbeddedCollection:
         if self._queued.size >= _BULK:
             self._queued.apply(self._vectors)
         self.loaded_version += 1  # each catalog write bumps the version once (see save)
+
+    def replace_documents(self, writes: Sequence[DocumentWrite]) -> None:
+        """Write several documents, all or none, in a few catalog statements (`Catalog.replace_documents`)."""
+        results = self.catalog.replace_documents(self.name, writes, batched=self.batch_writes)
+        for (removed, added), w in zip(results, writes, strict=True):
+            self._queued.remove(removed)
+            self._queued.add(added, w.vectors)
+        if self._queued.size >= _BULK:
+            self._queued.apply(self._vectors)
+        self.loaded_version += len(writes)  # one version per document, as replace_document
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         # ACLs live only in the catalog: the filter is read from it at query time.

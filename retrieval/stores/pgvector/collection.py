@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 from rag.errors import ConfigError, NotFoundError, StoreError
 from rag.types import Chunk, Document
 from retrieval.keyword import query_terms
-from retrieval.records import GENERATION_SEP, ChunkRecord, CollectionInfo, DocumentState
+from retrieval.records import GENERATION_SEP, ChunkRecord, CollectionInfo, DocumentState, DocumentWrite
 from retrieval.stores.pgvector.bulk import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_INDEX_MEMORY_MB,
@@ -188,6 +188,11 @@ class PgvectorCollection:
         return None
 
     # -- writes: a batch of documents per transaction ------------------------------------
+
+    def replace_documents(self, writes: Sequence[DocumentWrite]) -> None:
+        """One `replace_document` each: they join the write buffer, which commits many documents together."""
+        for w in writes:
+            self.replace_document(*w)
 
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None:
