@@ -6,6 +6,10 @@
         --pg-maintenance-mem 5GB --pg-shared-buffers 3GB      # 1M: pgvector + Faiss IVF + exact, ~15 min
     PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 200000 --stores pgvector \
         --pg-m 24 --pg-ef-construction 128 --pg-ef-more 400     # another HNSW graph (m, ef_construction)
+    python3 bench/filtered_search.py --n 10000000 --stores faiss-ivf --no-pg --queries 50 \
+        --cache /tmp/fs10m --build-only        # 10M on a 16-core machine, call 1: data + index (~45 GB disk)
+    python3 bench/filtered_search.py --n 10000000 --stores faiss-ivf --no-pg --queries 50 \
+        --cache /tmp/fs10m                     # call 2: read both back, search
 
 Data: N random unit vectors (384-d), documents of 10 chunks each, every document in one of
 100 groups. Users hold 50, 10 and 1 groups (50%, 10%, 1% of the corpus). Each store is
@@ -99,6 +103,57 @@ def make_data(n: int, dim: int, seed: int = 0):
     return vecs, doc_group, draw(args.queries)
 
 
+def cached_data(cache: Path):
+    """make_data's arrays, from `cache` when a run with the same data arguments saved them there."""
+    import json
+
+    meta = {"n": args.n, "dim": args.dim, "data": args.data, "topics": args.topics, "queries": args.queries}
+    files = {name: cache / f"{name}.npy" for name in ("vecs", "doc_group", "queries")}
+    if (cache / "data.json").exists() and json.loads((cache / "data.json").read_text()) == meta:
+        t = time.perf_counter()
+        # The vectors are memory-mapped: the indexes copy what they keep, the exact peer reads row chunks.
+        out = (np.load(files["vecs"], mmap_mode="r"), np.load(files["doc_group"]), np.load(files["queries"]))
+        print(f"# data read from {cache} in {time.perf_counter() - t:.1f} s", flush=True)
+        return out
+    out = make_data(args.n, args.dim)
+    cache.mkdir(parents=True, exist_ok=True)
+    for name, array in zip(files, out, strict=True):
+        np.save(files[name], array)
+    (cache / "data.json").write_text(json.dumps(meta))
+    return out
+
+
+def build_ivf(ids: np.ndarray, vecs: np.ndarray) -> IvfIndex:
+    t = time.perf_counter()
+    ivf = IvfIndex(args.dim)
+    ivf.add(ids, vecs)
+    calibration = f", probe calibration {ivf.probes.seconds:.1f} s of it" if ivf.probes else ""
+    print(f"# faiss-ivf built in {time.perf_counter() - t:.0f} s (k-means + fill{calibration}, {ivf.index.nlist} "
+          f"lists, exact below {ivf.exact_below:,} readable)", flush=True)
+    return ivf
+
+
+def cached_ivf(cache: Path, ids: np.ndarray, vecs: np.ndarray) -> IvfIndex:
+    """The faiss-ivf store from `cache` (saved and loaded through its own save/load, as a collection's
+    index file is), else built and saved there."""
+    path = cache / "ivf.npz"
+    if path.exists():
+        t = time.perf_counter()
+        ivf = IvfIndex.load(path, args.dim)
+        print(f"# faiss-ivf loaded from {path} in {time.perf_counter() - t:.0f} s ({path.stat().st_size / 1e9:.1f} GB; "
+              f"{(cache / 'ivf.txt').read_text().strip() if (cache / 'ivf.txt').exists() else ''})", flush=True)
+        return ivf
+    t = time.perf_counter()
+    ivf = build_ivf(ids, vecs)
+    built = time.perf_counter() - t
+    t = time.perf_counter()
+    ivf.save(path)
+    note = f"built in {built:.0f} s, saved in {time.perf_counter() - t:.0f} s"
+    (cache / "ivf.txt").write_text(note)
+    print(f"# faiss-ivf {note} to {path}", flush=True)
+    return ivf
+
+
 def exact_truth(vecs: np.ndarray, chunk_group: np.ndarray, queries: np.ndarray, users: dict[str, list[str]],
                 ids: np.ndarray, k: int, chunk: int = 65_536) -> dict[str, list[set[int]]]:
     """Exact filtered top k of every query for every user, over row chunks (no N-row score arrays)."""
@@ -173,8 +228,13 @@ def main() -> None:
         stores.discard("pgvector")
     if unknown := stores - {"faiss-hnsw", "faiss-ivf", "pgvector"}:
         raise SystemExit(f"unknown --stores {sorted(unknown)}: choose from faiss-hnsw, faiss-ivf, pgvector")
+    if args.cache and "faiss-hnsw" in stores:
+        raise SystemExit("--cache keeps the faiss-ivf index of ids 1..N: leave faiss-hnsw out of --stores")
+    if args.build_only and not args.cache:
+        raise SystemExit("--build-only needs --cache (where the data and the index are kept)")
     started = time.perf_counter()
-    vecs, doc_group, queries = make_data(args.n, args.dim)
+    cache = Path(args.cache) if args.cache else None
+    vecs, doc_group, queries = cached_data(cache) if cache else make_data(args.n, args.dim)
     chunk_group = np.repeat(doc_group, CHUNKS_PER_DOC)
     users = {share: [f"group:g{g}" for g in range(n)] for share, n in SHARES.items()}
     data = f"{args.data}, {args.topics} topics" if args.data == "clustered" else args.data
@@ -202,14 +262,12 @@ def main() -> None:
         ids, _ = catalog.vectors("bench")  # catalog chunk ids, in insertion order
     ivf = None
     if "faiss-ivf" in stores:
-        t = time.perf_counter()
-        ivf = IvfIndex(args.dim)
-        ivf.add(ids, vecs)
-        calibration = f", probe calibration {ivf.probes.seconds:.1f} s of it" if ivf.probes else ""
-        print(f"# faiss-ivf built in {time.perf_counter() - t:.0f} s (k-means + fill{calibration}, {ivf.index.nlist} "
-              f"lists, exact below {ivf.exact_below:,} readable)", flush=True)
+        ivf = cached_ivf(cache, ids, vecs) if cache else build_ivf(ids, vecs)
         if ivf.probes:
             print(f"# faiss-ivf {ivf.probes.describe()}", flush=True)
+    if args.build_only:
+        print("# --build-only: the data and the index are in the cache; run again without it to search")
+        return
     flat = FlatIndex(args.dim)
     flat.add(ids, vecs)
 
@@ -384,6 +442,10 @@ if __name__ == "__main__":
     parser.add_argument("--stores", default="faiss-hnsw,pgvector",
                         help="comma list of faiss-hnsw, faiss-ivf, pgvector (the exact peer always runs)")
     parser.add_argument("--no-pg", action="store_true", help="Faiss only (drops pgvector from --stores)")
+    parser.add_argument("--cache", help="a folder that keeps the data and the faiss-ivf index between runs, so a "
+                                        "10M run fits two calls of a time-limited machine: --build-only, then again")
+    parser.add_argument("--build-only", action="store_true",
+                        help="make (or read) the data and build (or read) faiss-ivf, then stop before searching")
     parser.add_argument("--pg-batch", type=int, default=256, help="pgvector documents per write transaction")
     parser.add_argument("--pg-maintenance-mem", default="2GB",
                         help="the throwaway server's maintenance_work_mem (the HNSW build; keep the graph in it)")
