@@ -21,7 +21,10 @@ the interpreter's own GIL switch interval (5 ms) while the embed thread runs, an
 the embedder in the ingest process and in a worker process of its own (RAG_INGEST_EMBED_PROCESS;
 the default on a GPU is the worker). The ingest's wall and total include whatever of the worker's
 start (spawn, imports, model load, warm-up) the walk and the first batches did not hide; the peer's
-time excludes its load.
+time excludes its load. `--batch-chunks 4096 16384` runs each with that many chunks per embed
+call (RAG_INGEST_BATCH_CHUNKS; 4096 is the GPU default), `--rayon-threads 16 8` with the
+tokenizer's thread pool of the ingest process (and of the worker, which inherits it) capped
+(RAYON_NUM_THREADS; unset: one thread a core in the ingest process).
 `--device cpu` runs where there is no GPU (use few records); `--parallelism unset` skips the
 "false" setting.
 """
@@ -75,7 +78,7 @@ def make_corpus(path: Path, records: int, seed: int = 0) -> None:
 
 def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", chunk_batch: int | None = None,
         peer: bool = True, overlap: str | None = None, switch_ms: str | None = None,
-        embed_process: str | None = None) -> dict:
+        embed_process: str | None = None, batch_chunks: str | None = None, rayon: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if setting is not None:
         env["TOKENIZERS_PARALLELISM"] = setting
@@ -89,6 +92,10 @@ def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", 
         env["RAG_INGEST_SWITCH_INTERVAL_MS"] = switch_ms
     if embed_process is not None:
         env["RAG_INGEST_EMBED_PROCESS"] = embed_process
+    if batch_chunks is not None:
+        env["RAG_INGEST_BATCH_CHUNKS"] = batch_chunks
+    if rayon is not None:
+        env["RAYON_NUM_THREADS"] = rayon
     with tempfile.TemporaryDirectory() as home:
         env["RAG_HOME"] = home
         t = time.perf_counter()
@@ -122,6 +129,10 @@ def main() -> None:
                     help="RAG_INGEST_SWITCH_INTERVAL_MS values to run (0: the interpreter's 5 ms while overlapped)")
     ap.add_argument("--embed-process", nargs="+", choices=["true", "false"], default=[None],
                     help="RAG_INGEST_EMBED_PROCESS values to run (true: the model in a worker process)")
+    ap.add_argument("--batch-chunks", nargs="+", default=[None],
+                    help="RAG_INGEST_BATCH_CHUNKS values to run (chunks per embed call)")
+    ap.add_argument("--rayon-threads", nargs="+", default=[None],
+                    help="RAYON_NUM_THREADS values to run (the tokenizer's threads)")
     args = ap.parse_args()
     import torch
 
@@ -133,16 +144,18 @@ def main() -> None:
         cores = len(os.sched_getaffinity(0))
         print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
-        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | ingest wall "
-              "| ingest embed stage | embedder alone | embed stage / alone | ingest total / alone |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | embed call "
+              "| tokenizer threads | ingest wall | ingest embed stage | embedder alone | embed stage / alone "
+              "| ingest total / alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for setting in (None, "false") if args.parallelism == "both" else (None,):
             peer_s = None
-            runs = [(c, o, m, e) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms
-                    for e in args.embed_process]
-            for chunk_batch, overlap, switch_ms, embed_process in runs:
+            runs = [(c, o, m, e, b, r) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms
+                    for e in args.embed_process for b in args.batch_chunks for r in args.rayon_threads]
+            for chunk_batch, overlap, switch_ms, embed_process, batch_chunks, rayon in runs:
                 out = run(setting, corpus, args.embedder, args.device, chunk_batch, peer=peer_s is None,
-                          overlap=overlap, switch_ms=switch_ms, embed_process=embed_process)
+                          overlap=overlap, switch_ms=switch_ms, embed_process=embed_process,
+                          batch_chunks=batch_chunks, rayon=rayon)
                 s = out["summary"]
                 if out["peer"] is not None:
                     peer_s = out["peer"]["seconds"]
@@ -150,7 +163,8 @@ def main() -> None:
                 chunks = s.get("chunks_written") or s.get("chunks_embedded")
                 embed_s, total_s = s["seconds"]["embed"], s["seconds"]["total"]
                 print(f"| {setting or 'unset (CLI default)'} | {chunk_batch or 'default'} | {overlap or 'default'}"
-                      f" | {switch_ms or 'default'} | {embed_process or 'default'}"
+                      f" | {switch_ms or 'default'} | {embed_process or 'default'} | {batch_chunks or 'default'}"
+                      f" | {rayon or 'default'}"
                       f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
                       f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s ({peer_s:.1f} s)"
                       f" | {chunks / embed_s / peer:.2f}x | {peer_s / total_s:.2f}x ({total_s:.1f} s) |", flush=True)
