@@ -327,7 +327,6 @@ class Embedder:
         else:
             self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
                                         self.max_batch_tokens)
-            self.runner.warm_up()
 
     def embed(
         self, texts: Sequence[str], progress: Callable[[int], None] | None = None

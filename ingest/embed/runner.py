@@ -24,9 +24,6 @@ WINDOW_TEXTS = 4096
 PREFETCH_BATCHES = 4
 # Pooled vectors go back to the host this often, so device memory does not grow with the input.
 FLUSH_ROWS = 65536
-# Made-up texts a GPU runner embeds once at load (`warm_up`): enough lengths that most batch shapes
-# of a real call have been seen, few enough to take milliseconds.
-WARM_UP_TEXTS = 512
 
 
 @dataclass(frozen=True)
@@ -118,16 +115,6 @@ class EncoderRunner:
             tokenizer = AutoTokenizer.from_pretrained(spec.folder, local_files_only=True)
         model = load_encoder(spec.folder, spec.device, getattr(torch, spec.dtype))
         return cls(model, tokenizer, spec.device, spec.pooling, spec.max_length, spec.max_batch_tokens)
-
-    def warm_up(self) -> None:
-        """On a GPU, embed made-up texts of every length once, so the first real call does not pay for
-        loading kernels and growing the allocator (MiniLM's first 2,048 texts on an H100: 1.11 s cold,
-        0.15 s warm; bench/ingest_gpu.py). Nothing on a CPU, where there is nothing to load."""
-        if self.device.type != "cuda":
-            return
-        words = ("sample", "protocol", "buffer", "cluster", "imaging", "notes", "the", "of")
-        counts = np.linspace(1, self.encoder.max_length, WARM_UP_TEXTS).astype(int)
-        self.run([" ".join(words[j % len(words)] for j in range(n)) for n in counts])
 
     def run(self, texts: Sequence[str], progress: Callable[[int], None] | None = None) -> np.ndarray:
         """Embed texts; returns float32 (len(texts), dim) unit rows in the order of texts.

@@ -28,7 +28,6 @@ def _serve(spec: RunnerSpec, conn: Connection, tokenizer_threads: int) -> None:
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(spec.device)  # pinned buffers and streams belong to this GPU
         runner = EncoderRunner.from_spec(spec)
-        runner.warm_up()
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
