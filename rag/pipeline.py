@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ingest.deletion_guard import DeletionGuard
-from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn
+from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, note_worker_seconds
 from ingest.source_names import SourceNamer
 from permissions.models import Principal
 from rag.admission import AdmissionControl
@@ -230,7 +230,10 @@ class Rag:
                                       overlap_embedding=self.settings.ingest_overlap_embedding,
                                       switch_interval_ms=self.settings.ingest_switch_interval_ms,
                                       embed_ready=self.embedder.wait_ready)  # fmt: skip
-            return pipeline.run(paths, progress, shard=shard)
+            worker_before = self.embedder.worker_seconds
+            report = pipeline.run(paths, progress, shard=shard)
+            note_worker_seconds(report, self.embedder, worker_before)
+            return report
 
     def readable_collections(self, principal: Principal) -> list[str]:
         """Collections in which `principal` may read at least one chunk (others stay unnamed)."""

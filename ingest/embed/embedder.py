@@ -322,6 +322,7 @@ class Embedder:
         self.max_batch_tokens = config.max_batch_tokens or config.batch_size * self.max_length
         self._workers: EmbedWorkers | None = None
         self._workers_lock = threading.Lock()
+        self._closed_worker_seconds = 0.0
         self.runner: EncoderRunner | None = None  # the model in this process, if it runs here
         if self.model is None:
             # Started now and waited for at the first call, so the model loads while the caller
@@ -367,10 +368,17 @@ class Embedder:
         """Embed one query (after the model's query prompt, if it has one); a float32 (dim,) unit vector."""
         return self.embed([self.query_prompt + text])[0]
 
+    @property
+    def worker_seconds(self) -> float:
+        """Seconds the worker processes spent embedding, inside them (what the calls cost beyond it
+        is transfer and waiting); 0 when none ran."""
+        return self._closed_worker_seconds + (self._workers.busy_seconds if self._workers is not None else 0.0)
+
     def close(self) -> None:
         """Stop the worker processes, if any were started (idempotent; a later call starts them again)."""
         with self._workers_lock:
             if self._workers is not None:
+                self._closed_worker_seconds += self._workers.busy_seconds
                 self._workers.close()
                 self._workers = None
 
@@ -392,7 +400,7 @@ class Embedder:
         try:
             workers.wait_ready()
         except ModelError as e:
-            self._workers = None
+            self._workers = None  # it never embedded: no busy seconds to keep
             # A script that starts work at import time, without `if __name__ == "__main__":`,
             # cannot spawn processes (each child would run the script again): the common cause.
             log.warning("%s; embedding in this process instead. (A script that calls Rag.ingest needs "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
@@ -40,7 +41,9 @@ def _serve(spec: RunnerSpec, conn: Connection, tokenizer_threads: int) -> None:
         if texts is None:
             return
         try:
-            conn.send(("ok", runner.run(texts)))
+            started = time.perf_counter()
+            vectors = runner.run(texts)
+            conn.send(("ok", (vectors, time.perf_counter() - started)))
         except Exception as e:  # reported to the caller, which raises it; the worker lives on
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -63,6 +66,7 @@ class EmbedWorkers:
         ctx = mp.get_context("spawn")
         self._starting = False
         self.specs = list(specs)
+        self.busy_seconds = 0.0  # spent inside the workers embedding what they were sent (all of them)
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
         threads = max(1, (os.cpu_count() or 1) // (len(self.specs) + 1))  # this process tokenizes too
@@ -115,7 +119,9 @@ class EmbedWorkers:
         kind, value = self._receive(i)
         if kind != "ok":
             raise ModelError(f"the embedding worker for {self.specs[i].device} failed: {value}")
-        return value
+        vectors, seconds = value
+        self.busy_seconds += seconds
+        return vectors
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""

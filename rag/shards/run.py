@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ingest.chunk import Chunker, ChunkingConfig
 from ingest.deletion_guard import DeletionGuard
 from ingest.embed.embedder import ingest_batch_chunks
-from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, shard_of
+from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, note_worker_seconds, shard_of
 from ingest.source_names import SourceNamer
 from ingest.sources import has_sources, is_under_any, scan_roots
 from rag.errors import ConfigError
@@ -156,6 +156,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
         chunking = ChunkingConfig.from_dict(spec.chunking)
         chunker = Chunker(embedder.tokenizer, chunking, batched=settings.ingest_chunk_batch > 1)
+        worker_before = embedder.worker_seconds
         report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
                                 batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,
@@ -166,6 +167,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                                 embed_ready=embedder.wait_ready,
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
+        note_worker_seconds(report, embedder, worker_before)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
         write_record(directory, record)
         stats = store.stats()

@@ -80,6 +80,10 @@ def test_ingest_with_the_embedder_in_its_own_process_writes_the_same_rows(tmp_pa
             report = rag.ingest([corpus])
             assert report.added == 6 and not report.problems
             assert (rag.embedder.model is None) == in_worker
+            # The worker's own embedding time is reported beside the calls' round trips.
+            assert ("embed_in_worker" in report.seconds) == in_worker
+            if in_worker:
+                assert 0 < report.seconds["embed_in_worker"] <= report.seconds["embed"] + 0.05
             dumps.append(rag.catalog.dump(rag.collection().name))
         finally:
             rag.close()
