@@ -116,17 +116,9 @@ class Corpus:
               texts: list[str] | None = None) -> None:
         if acl is None:
             acl = frozenset(self.rng.choice(GROUPS, size=int(self.rng.integers(1, 3)), replace=False).tolist())
-        texts = texts or [f"{key} part {i} " + " ".join(self.rng.choice(WORDS, size=8).tolist())
-                          for i in range(n_chunks)]
-        vecs = self.rng.standard_normal((len(texts), DIM)).astype(np.float32)
-        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-        body = "\n".join(texts)
-        doc = Document(key=key, source=f"/lab/{key}.md", text=body,
-                       content_hash=hashlib.sha256(body.encode()).hexdigest(), acl=acl, title=key)
-        chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=len(t.split()))
-                  for i, t in enumerate(texts)]
-        self.store.replace_document(doc, acl, chunks, vecs)
-        self.docs[key] = (acl, texts, vecs)
+        w = self._make(key, n_chunks, acl, texts)
+        self.store.replace_document(*w)
+        self.docs[key] = (acl, [c.text for c in w.chunks], w.vectors)
 
     def write_many(self, specs: list[tuple[str, int, frozenset[str], list[str] | None]]) -> None:
         """Several documents in one `replace_documents` call (as ingest writes an embed batch's)."""
