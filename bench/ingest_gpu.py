@@ -20,12 +20,12 @@ the interpreter's own GIL switch interval (5 ms) while the embed thread runs, an
 (RAG_INGEST_SWITCH_INTERVAL_MS; rag/switch_interval.py). `--embed-process false true` runs each with
 the embedder in the ingest process and in a worker process of its own (RAG_INGEST_EMBED_PROCESS;
 the default on a GPU is the worker). The ingest's wall and total include whatever of the worker's
-start (spawn, imports, model load, warm-up) the walk and the first batches did not hide; the peer's
-time excludes its load; with the worker the stages line also has `embed_in_worker`, the
-worker's own seconds inside its embed calls (the rest of `embed` is transfer and waiting). `--batch-chunks 4096 16384` runs each with that many chunks per embed
-call (RAG_INGEST_BATCH_CHUNKS; 4096 is the GPU default), `--rayon-threads 16 8` with the
-tokenizer's thread pool of the ingest process (and of the worker, which inherits it) capped
-(RAYON_NUM_THREADS; unset: one thread a core in the ingest process).
+start (spawn, imports, model load) the walk and the first batches did not hide; the peer's time
+excludes its load. With the worker the stages line also has `embed_in_worker`, the worker's own
+seconds inside its embed calls (the rest of `embed` is transfer and waiting). `--batch-chunks 4096
+16384` runs each with that many chunks per embed call (RAG_INGEST_BATCH_CHUNKS; 4096 is the GPU
+default), `--rayon-threads 16 8` with the tokenizer's thread pool of the ingest process (and of the
+worker, which inherits it) capped (RAYON_NUM_THREADS; unset: one thread a core in the ingest process).
 `--device cpu` runs where there is no GPU (use few records); `--parallelism unset` skips the
 "false" setting.
 """

@@ -212,10 +212,13 @@ def _install() -> None:
     from retrieval.stores.embedded import catalog as embedded_catalog
     from retrieval.stores.pgvector import rebuild
 
-    # Both stores commit a batch of documents per transaction: one per batch here, so that the first
-    # document is stored when the task pauses, as a batch of a big corpus is when a task is killed.
+    # Both stores commit a batch of documents per transaction, and ingest writes the documents an
+    # embed batch completes in one call: one document per transaction and one chunk per embed batch
+    # here (so at most one document completes in each), so that the first document is stored and no
+    # other when the task pauses, as a batch of a big corpus is when a task is killed.
     rebuild.DEFAULT_BATCH_DOCUMENTS = 1
     embedded_catalog.BATCH_DOCUMENTS = 1
+    os.environ["RAG_INGEST_BATCH_CHUNKS"] = "1"
     real = pipeline._count_written
 
     def count_written(entry, report):
