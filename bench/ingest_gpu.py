@@ -26,8 +26,8 @@ seconds inside its embed calls (the rest of `embed` is transfer and waiting). `-
 16384` runs each with that many chunks per embed call (RAG_INGEST_BATCH_CHUNKS; 4096 is the GPU
 default), `--rayon-threads 16 8` with the tokenizer's thread pool of the ingest process (and of the
 worker, which inherits it) capped (RAYON_NUM_THREADS; unset: one thread a core in the ingest process).
-`--device cpu` runs where there is no GPU (use few records); `--parallelism unset` skips the
-"false" setting.
+`--rounds 2` runs all of it twice, in turn. `--device cpu` runs where there is no GPU (use few
+records); `--parallelism unset` skips the "false" setting.
 """
 
 from __future__ import annotations
@@ -134,6 +134,9 @@ def main() -> None:
                     help="RAG_INGEST_BATCH_CHUNKS values to run (chunks per embed call)")
     ap.add_argument("--rayon-threads", nargs="+", default=[None],
                     help="RAYON_NUM_THREADS values to run (the tokenizer's threads)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every setting this many times, in turn (single runs differ by ~15%%), each round "
+                         "with its own peer")
     args = ap.parse_args()
     import torch
 
@@ -145,11 +148,13 @@ def main() -> None:
         cores = len(os.sched_getaffinity(0))
         print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
-        print("| TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | embed call "
+        print("| round | TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | embed call "
               "| tokenizer threads | ingest wall | ingest embed stage | embedder alone | embed stage / alone "
               "| ingest total / alone |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for setting in (None, "false") if args.parallelism == "both" else (None,):
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        settings = [(r, p) for r in range(1, args.rounds + 1)
+                    for p in ((None, "false") if args.parallelism == "both" else (None,))]
+        for round_no, setting in settings:
             peer_s = None
             runs = [(c, o, m, e, b, r) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms
                     for e in args.embed_process for b in args.batch_chunks for r in args.rayon_threads]
@@ -163,7 +168,8 @@ def main() -> None:
                     peer = out["peer"]["chunks"] / peer_s
                 chunks = s.get("chunks_written") or s.get("chunks_embedded")
                 embed_s, total_s = s["seconds"]["embed"], s["seconds"]["total"]
-                print(f"| {setting or 'unset (CLI default)'} | {chunk_batch or 'default'} | {overlap or 'default'}"
+                print(f"| {round_no} | {setting or 'unset (CLI default)'} | {chunk_batch or 'default'}"
+                      f" | {overlap or 'default'}"
                       f" | {switch_ms or 'default'} | {embed_process or 'default'} | {batch_chunks or 'default'}"
                       f" | {rayon or 'default'}"
                       f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
