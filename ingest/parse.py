@@ -318,7 +318,32 @@ def _partition(fn: Callable[..., list[Any]], failure: str, **kwargs: Any) -> lis
     except ParseError:
         raise
     except Exception as e:  # a parser failure on one file must not end the run
+        if _spacy_model_missing(e):
+            raise ParseError(f"{failure}: {SPACY_MODEL_HINT} ({_short(e)})") from e
         raise ParseError(f"{failure}: {_short(e)}") from e
+
+
+# unstructured sorts text into titles and narrative with spaCy's en_core_web_sm; when spaCy cannot
+# find it (by its package metadata), it tries to download and install it, which offline fails on
+# every document with an error that does not say so (e.g. "No module named 'installer'").
+SPACY_MODEL_HINT = ("unstructured could not load the spaCy model en_core_web_sm and could not install it "
+                    "(it downloads it from GitHub); install it where rag runs: scripts/build_spacy_stub.sh "
+                    "makes an offline stand-in, `python -m spacy download en_core_web_sm` the real one")
+
+
+def _spacy_model_missing(e: BaseException) -> bool:
+    """Whether a parser failure came from unstructured loading or installing its spaCy model."""
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name in ("_load_spacy_model", "_install_spacy_model"):
+                return True
+            tb = tb.tb_next
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _to_elements(raw: list[Any], heuristic_titles: bool) -> list[Element]:

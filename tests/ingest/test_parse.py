@@ -329,3 +329,28 @@ def test_parse_item_file(tmp_path: Path) -> None:
     assert doc.acl == item.acl
     assert doc.text == "\n\n".join(e.text for e in doc.elements)
     assert "fair-share" in doc.text
+
+
+def test_a_missing_spacy_model_is_named_with_its_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Offline, unstructured's attempt to download en_core_web_sm fails on every document with
+    # "No module named 'installer'"; the problem must say what is missing and how to install it.
+    from unstructured.nlp import tokenize
+
+    def _load_spacy_model():  # named as unstructured's own: the traceback is what is recognized
+        raise ModuleNotFoundError("No module named 'installer'")
+
+    monkeypatch.setattr(tokenize, "_get_nlp", lambda: _load_spacy_model())
+    path = tmp_path / "notes.txt"
+    path.write_text("The buffer recipe was changed last week after the audit of the imaging lab. "
+                    "Everyone should read the new protocol before the next session starts.\n")
+    with pytest.raises(ParseError, match=r"en_core_web_sm.*build_spacy_stub\.sh.*installer"):
+        parse_file(path)
+
+    def broken():
+        raise ValueError("something else")
+
+    monkeypatch.setattr(tokenize, "_get_nlp", broken)
+    path.write_text("Another paragraph of narrative text, long enough to be classified by the parser.\n")
+    with pytest.raises(ParseError) as caught:
+        parse_file(path)
+    assert "en_core_web_sm" not in str(caught.value) and "something else" in str(caught.value)
