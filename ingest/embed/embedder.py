@@ -272,10 +272,7 @@ class Embedder:
             ModelError: the folder does not exist, lacks config.json, or does not load.
             ConfigError: a CUDA device was asked for on a machine without one (or that GPU).
         """
-        import torch
         from transformers import AutoConfig, AutoTokenizer
-
-        from ingest.embed.runner import EncoderRunner, load_encoder
 
         self.config = config
         if config.model is None:
@@ -306,11 +303,7 @@ class Embedder:
         try:
             with quiet_libraries():  # our progress, not transformers' bars
                 self.tokenizer: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-                if config.in_worker:
-                    model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-                else:
-                    self.model = load_encoder(folder, self.device, getattr(torch, self.dtype))
-                    model_config = self.model.config
+                model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
         except Exception as e:  # a broken folder fails in many ways; all mean "fix the folder"
             raise ModelError(f"could not load the embedding model from {folder}: {e}") from e
         self.dim = int(model_config.hidden_size)
@@ -324,13 +317,15 @@ class Embedder:
         self._workers_lock = threading.Lock()
         self._closed_worker_seconds = 0.0
         self.runner: EncoderRunner | None = None  # the model in this process, if it runs here
-        if self.model is None:
+        if config.in_worker:
             # Started now and waited for at the first call, so the model loads while the caller
             # walks and parses its sources.
             self._start_workers(self.devices, wait=False)
         else:
-            self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
-                                        self.max_batch_tokens)
+            try:
+                self._load_here()
+            except Exception as e:  # a broken folder fails in many ways; all mean "fix the folder"
+                raise ModelError(f"could not load the embedding model from {folder}: {e}") from e
 
     def embed(
         self, texts: Sequence[str], progress: Callable[[int], None] | None = None
@@ -406,17 +401,21 @@ class Embedder:
             log.warning("%s; embedding in this process instead. (A script that calls Rag.ingest needs "
                         "`if __name__ == \"__main__\":` to start worker processes; ingest_embed_process = "
                         "false skips them.)", e)
-            import torch
-
-            from ingest.embed.runner import EncoderRunner, load_encoder
-
             try:
-                with quiet_libraries():
-                    self.model = load_encoder(self.folder, self.device, getattr(torch, self.dtype))
+                self._load_here()
             except Exception as again:
                 raise ModelError(f"{e}; loading the model in this process failed too: {again}") from again
-            self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
-                                        self.max_batch_tokens)
+
+    def _load_here(self) -> None:
+        """Load the model into this process (on `device`) and the runner that embeds with it."""
+        import torch
+
+        from ingest.embed.runner import EncoderRunner, load_encoder
+
+        with quiet_libraries():  # our progress, not transformers' bars
+            self.model = load_encoder(self.folder, self.device, getattr(torch, self.dtype))
+        self.runner = EncoderRunner(self.model, self.tokenizer, self.device, self.pooling, self.max_length,
+                                    self.max_batch_tokens)
 
     def _embed_spread(self, texts: list[str], shards: int, progress: Callable[[int], None] | None) -> np.ndarray:
         """Embed on `shards` devices: the model in this process takes the first share (if it runs

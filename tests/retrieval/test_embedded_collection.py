@@ -332,8 +332,9 @@ def _write(key: str, n: int, seed: int, acl: frozenset[str] = frozenset({"public
 
 
 def test_documents_written_together_get_the_rows_and_ids_of_one_by_one_writes(tmp_path):
-    # Ids are assigned by the grouped write itself: they must be what AUTOINCREMENT gives, so the
-    # vector index (which follows chunk ids) and every reader see the same catalog either way.
+    # Ids are assigned by the write itself: they must be what AUTOINCREMENT gives (fresh: 1, 2, ...
+    # in write order; after a replacement, past every id used), however the documents are grouped,
+    # so the vector index (which follows chunk ids) and every reader see the same catalog.
     first = [_write("a", 2, 0), _write("b", 3, 1, frozenset({"group:x", "user:u"})), _write("c", 1, 2)]
     second = [_write("b", 1, 3, frozenset({"group:y"}), "v2"), _write("d", 0, 4), _write("e", 2, 5)]
     dumps, ids, results = [], [], []
@@ -356,6 +357,8 @@ def test_documents_written_together_get_the_rows_and_ids_of_one_by_one_writes(tm
         assert catalog.version("docs") == 6
         catalog.close()
     assert results[0] == results[1] and ids[0] == ids[1]
+    assert [added for _, added in results[0]] == [[1, 2], [3, 4, 5], [6], [7], [], [8, 9]]
+    assert results[0][3][0] == [3, 4, 5]  # the new "b" removed the old one's chunks
     assert [{k: v for k, v in r.items() if k != "vector"} for r in dumps[0]] == \
         [{k: v for k, v in r.items() if k != "vector"} for r in dumps[1]]
 

@@ -278,61 +278,19 @@ class Catalog:
         Returns (chunk ids removed, chunk ids added) so the vector index can follow.
         An interrupted call leaves the previous version intact.
         """
-        assert len(chunks) == len(vectors)
-        dim = self._dim(collection)
-        if len(chunks) and vectors.shape[1] != dim:
-            raise StoreError(
-                f"vectors have {vectors.shape[1]} dims but collection {collection!r} has {dim}"
-            )
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        with self._savepoint() if batched else self._transaction():
-            removed = self._delete_document(collection, doc.key)
-            acl_json = json.dumps(sorted(acl))
-            cur = self.conn.execute(
-                "INSERT INTO documents (collection, key, source, title, content_hash, acl,"
-                " metadata, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    collection, doc.key, doc.source, doc.title, doc.content_hash,
-                    acl_json, json.dumps(doc.metadata, sort_keys=True, default=str),
-                    time.time(),
-                ),
-            )
-            doc_id = cur.lastrowid
-            self._write_acl(doc_id, acl)
-            added: list[int] = []
-            for chunk, vec in zip(chunks, vectors, strict=True):
-                cur = self.conn.execute(
-                    "INSERT INTO chunks (document_id, idx, text, heading, num_tokens, metadata,"
-                    " vector) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        doc_id, chunk.index, chunk.text, chunk.heading, chunk.num_tokens,
-                        _json_object(chunk.metadata), vec.tobytes(),
-                    ),
-                )
-                added.append(int(cur.lastrowid))
-            texts = [(cid, c.text, c.heading, c.num_tokens) for cid, c in zip(added, chunks, strict=True)]
-            if not batched:
-                keyword_index.index_chunks(self.conn, collection, acl_json, texts)
-            self._bump(collection)
-        if batched:
-            # Indexed at the batch's commit (see the module's docstring); queued only once the
-            # document's savepoint is released, so a document rolled back leaves nothing queued.
-            self._batch.keywords.setdefault((collection, acl_json), {}).update({t[0]: t for t in texts})
-            self._batch.documents = self.batch_documents + 1
-            if self._batch.documents >= BATCH_DOCUMENTS:
-                self.commit()
-        return removed, added
+        return self.replace_documents(collection, [DocumentWrite(doc, acl, chunks, vectors)], batched)[0]
 
     def replace_documents(
         self, collection: str, writes: Sequence[DocumentWrite], batched: bool = False,
     ) -> list[tuple[list[int], list[int]]]:
         """`replace_document` for several documents at once, all or none: one savepoint (batched) or
         transaction for all of them, and a few statements for all their rows (ids assigned here,
-        under the write lock) instead of several for each document. What ingest writes after
-        each embed batch. Returns (chunk ids removed, chunk ids added) per document, in order.
+        under the write lock, as AUTOINCREMENT would) instead of several for each document. What
+        ingest writes after each embed batch. Returns (chunk ids removed, chunk ids added) per
+        document, in order.
         """
         if len({w.doc.key for w in writes}) < len(writes):  # one document twice: one write after the other
-            return [self.replace_document(collection, *w, batched=batched) for w in writes]
+            return [self.replace_documents(collection, [w], batched)[0] for w in writes]
         dim = self._dim(collection)
         for w in writes:
             assert len(w.chunks) == len(w.vectors)

@@ -160,13 +160,7 @@ class EmbeddedCollection:
         """Write a document whole. With `batch_writes` (ingest) it is a savepoint committed with its
         batch: at `flush`, `save`, the next ACL change or delete, or at `catalog.BATCH_DOCUMENTS`
         documents; otherwise its own transaction, committed here."""
-        removed, added = self.catalog.replace_document(self.name, doc, acl, chunks, vectors,
-                                                       batched=self.batch_writes)
-        self._queued.remove(removed)
-        self._queued.add(added, vectors)
-        if self._queued.size >= _BULK:
-            self._queued.apply(self._vectors)
-        self.loaded_version += 1  # each catalog write bumps the version once (see save)
+        self.replace_documents([DocumentWrite(doc, acl, chunks, vectors)])
 
     def replace_documents(self, writes: Sequence[DocumentWrite]) -> None:
         """Write several documents, all or none, in a few catalog statements (`Catalog.replace_documents`)."""
@@ -176,7 +170,7 @@ class EmbeddedCollection:
             self._queued.add(added, w.vectors)
         if self._queued.size >= _BULK:
             self._queued.apply(self._vectors)
-        self.loaded_version += len(writes)  # one version per document, as replace_document
+        self.loaded_version += len(writes)  # the catalog bumps the version once per document
 
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         # ACLs live only in the catalog: the filter is read from it at query time.
