@@ -79,7 +79,8 @@ def make_corpus(path: Path, records: int, seed: int = 0) -> None:
 
 def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", chunk_batch: int | None = None,
         peer: bool = True, overlap: str | None = None, switch_ms: str | None = None,
-        embed_process: str | None = None, batch_chunks: str | None = None, rayon: str | None = None) -> dict:
+        embed_process: str | None = None, batch_chunks: str | None = None, rayon: str | None = None,
+        profile: int = 0) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if setting is not None:
         env["TOKENIZERS_PARALLELISM"] = setting
@@ -99,10 +100,18 @@ def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", 
         env["RAYON_NUM_THREADS"] = rayon
     with tempfile.TemporaryDirectory() as home:
         env["RAG_HOME"] = home
+        stats = Path(home) / "ingest.prof"
+        # In a `-c` program, as RAG is: a spawned worker then does not run the profiler's main again.
+        command = [sys.executable, "-c", f"import cProfile; cProfile.run('from rag.cli import main; main()', "
+                   f"{str(stats)!r})"] if profile else RAG
         t = time.perf_counter()
-        r = subprocess.run(RAG + ["ingest", str(corpus.parent), "--json", "--store", "memory"], env=env,
+        r = subprocess.run(command + ["ingest", str(corpus.parent), "--json", "--store", "memory"], env=env,
                            capture_output=True, text=True)
         wall = time.perf_counter() - t
+        if profile and r.returncode == 0:
+            import pstats
+
+            pstats.Stats(str(stats)).sort_stats("tottime").print_stats(profile)
     if r.returncode != 0:
         sys.exit(f"rag ingest failed ({r.returncode}):\n{r.stderr[-3000:]}")
     summary = json.loads(r.stdout)
@@ -134,6 +143,8 @@ def main() -> None:
                     help="RAG_INGEST_BATCH_CHUNKS values to run (chunks per embed call)")
     ap.add_argument("--rayon-threads", nargs="+", default=[None],
                     help="RAYON_NUM_THREADS values to run (the tokenizer's threads)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="run each ingest under cProfile and print its N costliest functions (own time)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every setting this many times, in turn (single runs differ by ~15%%), each round "
                          "with its own peer")
@@ -161,7 +172,7 @@ def main() -> None:
             for chunk_batch, overlap, switch_ms, embed_process, batch_chunks, rayon in runs:
                 out = run(setting, corpus, args.embedder, args.device, chunk_batch, peer=peer_s is None,
                           overlap=overlap, switch_ms=switch_ms, embed_process=embed_process,
-                          batch_chunks=batch_chunks, rayon=rayon)
+                          batch_chunks=batch_chunks, rayon=rayon, profile=args.profile)
                 s = out["summary"]
                 if out["peer"] is not None:
                     peer_s = out["peer"]["seconds"]
