@@ -9,7 +9,8 @@ H100, 3,921 chunks/s) and returns random unit vectors. The peer is that embedder
 measured in the same run); the ratio is the ceiling the scan, parse, chunk and write stages leave on
 this machine's CPU when the embedder takes none of it. A real GPU embedder also needs the GIL for its
 launches (bench/ingest_gpu.py measures that on the GPU node); the model here only supplies the
-tokenizer, the chunking and the vector size.
+tokenizer, the chunking and the vector size. `--write-behind true false` runs each with the store
+writes on a writer thread of their own and on the ingest thread, in the same run.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.ingest_gpu import make_corpus  # noqa: E402
 
 
-def run(records: int, ms_per_chunk: float, overlap: bool, embedder: str) -> tuple[dict[str, float], float]:
+def run(records: int, ms_per_chunk: float, overlap: bool, embedder: str,
+        write_behind: bool = True) -> tuple[dict[str, float], float]:
     """(the run's stage seconds, the sleeping embedder's own seconds)."""
     from rag.pipeline import Rag
     from rag.settings import load_settings
@@ -41,7 +43,8 @@ def run(records: int, ms_per_chunk: float, overlap: bool, embedder: str) -> tupl
         corpus.parent.mkdir()
         make_corpus(corpus, records)
         settings = load_settings(home=str(Path(tmp) / "home"), store="memory", ingest_batch_chunks=4096,
-                                 ingest_overlap_embedding=overlap, embedder=str(Path(embedder).resolve()))
+                                 ingest_overlap_embedding=overlap, ingest_write_behind=write_behind,
+                                 embedder=str(Path(embedder).resolve()))
         rag = Rag(settings)
         model = rag.embedder
         slept = 0.0
@@ -66,19 +69,23 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=20000)
     ap.add_argument("--ms-per-chunk", type=float, default=0.255)
     ap.add_argument("--overlap", nargs="+", choices=["true", "false"], default=["true"])
+    ap.add_argument("--write-behind", nargs="+", choices=["true", "false"], default=["true"],
+                    help="store writes on a writer thread of their own (true, the default) or on the ingest thread")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     print(f"# {datetime.date.today()}; {platform.processor() or platform.machine()}, "
           f"{len(os.sched_getaffinity(0))} usable CPUs; {args.records} records; embedder sleeping "
           f"{args.ms_per_chunk} ms a chunk; code from {Path(__file__).resolve().parents[1]}")
-    print("| overlap | round | stages, s | total s | embedder alone s | total / alone |")
-    print("|---|---|---|---|---|---|")
-    for overlap in args.overlap:
-        for r in range(1, args.rounds + 1):
-            seconds, alone = run(args.records, args.ms_per_chunk, overlap == "true", args.embedder)
-            stages = json.dumps({k: round(v, 2) for k, v in seconds.items() if k != "total"})
-            print(f"| {overlap} | {r} | {stages} | {seconds['total']:.2f} | {alone:.2f} "
-                  f"| {alone / seconds['total']:.2f}x |", flush=True)
+    print("| overlap | write behind | round | stages, s | total s | embedder alone s | total / alone |")
+    print("|---|---|---|---|---|---|---|")
+    for r in range(1, args.rounds + 1):  # rounds outermost: each setting again in turn
+        for overlap in args.overlap:
+            for write_behind in args.write_behind:
+                seconds, alone = run(args.records, args.ms_per_chunk, overlap == "true", args.embedder,
+                                     write_behind == "true")
+                stages = json.dumps({k: round(v, 2) for k, v in seconds.items() if k != "total"})
+                print(f"| {overlap} | {write_behind} | {r} | {stages} | {seconds['total']:.2f} | {alone:.2f} "
+                      f"| {alone / seconds['total']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

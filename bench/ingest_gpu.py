@@ -26,7 +26,9 @@ seconds inside its embed calls (the rest of `embed` is transfer and waiting). `-
 16384` runs each with that many chunks per embed call (RAG_INGEST_BATCH_CHUNKS; 4096 is the GPU
 default), `--rayon-threads 16 8` with the tokenizer's thread pool of the ingest process (and of the
 worker, which inherits it) capped (RAYON_NUM_THREADS; unset: one thread a core in the ingest process).
-`--rounds 2` runs all of it twice, in turn. `--device cpu` runs where there is no GPU (use few
+`--write-behind true false` runs each with the store writes on a writer thread of their own and on
+the ingest thread (RAG_INGEST_WRITE_BEHIND; the stages line then has `writer_idle`, the writer's
+wait for the embedder). `--rounds 2` runs all of it twice, in turn. `--device cpu` runs where there is no GPU (use few
 records); `--parallelism unset` skips the "false" setting.
 """
 
@@ -80,7 +82,7 @@ def make_corpus(path: Path, records: int, seed: int = 0) -> None:
 def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", chunk_batch: int | None = None,
         peer: bool = True, overlap: str | None = None, switch_ms: str | None = None,
         embed_process: str | None = None, batch_chunks: str | None = None, rayon: str | None = None,
-        profile: int = 0) -> dict:
+        profile: int = 0, write_behind: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if setting is not None:
         env["TOKENIZERS_PARALLELISM"] = setting
@@ -98,6 +100,8 @@ def run(setting: str | None, corpus: Path, embedder: str, device: str = "cuda", 
         env["RAG_INGEST_BATCH_CHUNKS"] = batch_chunks
     if rayon is not None:
         env["RAYON_NUM_THREADS"] = rayon
+    if write_behind is not None:
+        env["RAG_INGEST_WRITE_BEHIND"] = write_behind
     with tempfile.TemporaryDirectory() as home:
         env["RAG_HOME"] = home
         stats = Path(home) / "ingest.prof"
@@ -143,6 +147,8 @@ def main() -> None:
                     help="RAG_INGEST_BATCH_CHUNKS values to run (chunks per embed call)")
     ap.add_argument("--rayon-threads", nargs="+", default=[None],
                     help="RAYON_NUM_THREADS values to run (the tokenizer's threads)")
+    ap.add_argument("--write-behind", nargs="+", choices=["true", "false"], default=[None],
+                    help="RAG_INGEST_WRITE_BEHIND values to run (true: store writes on a writer thread of their own)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run each ingest under cProfile and print its N costliest functions (own time)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -160,19 +166,20 @@ def main() -> None:
         print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
         print("| round | TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | embed call "
-              "| tokenizer threads | ingest wall | ingest embed stage | embedder alone | embed stage / alone "
-              "| ingest total / alone |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| tokenizer threads | write behind | ingest wall | ingest embed stage | embedder alone "
+              "| embed stage / alone | ingest total / alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         settings = [(r, p) for r in range(1, args.rounds + 1)
                     for p in ((None, "false") if args.parallelism == "both" else (None,))]
         for round_no, setting in settings:
             peer_s = None
-            runs = [(c, o, m, e, b, r) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms
-                    for e in args.embed_process for b in args.batch_chunks for r in args.rayon_threads]
-            for chunk_batch, overlap, switch_ms, embed_process, batch_chunks, rayon in runs:
+            runs = [(c, o, m, e, b, r, w) for c in args.chunk_batch for o in args.overlap for m in args.switch_ms
+                    for e in args.embed_process for b in args.batch_chunks for r in args.rayon_threads
+                    for w in args.write_behind]
+            for chunk_batch, overlap, switch_ms, embed_process, batch_chunks, rayon, write_behind in runs:
                 out = run(setting, corpus, args.embedder, args.device, chunk_batch, peer=peer_s is None,
                           overlap=overlap, switch_ms=switch_ms, embed_process=embed_process,
-                          batch_chunks=batch_chunks, rayon=rayon, profile=args.profile)
+                          batch_chunks=batch_chunks, rayon=rayon, profile=args.profile, write_behind=write_behind)
                 s = out["summary"]
                 if out["peer"] is not None:
                     peer_s = out["peer"]["seconds"]
@@ -182,7 +189,7 @@ def main() -> None:
                 print(f"| {round_no} | {setting or 'unset (CLI default)'} | {chunk_batch or 'default'}"
                       f" | {overlap or 'default'}"
                       f" | {switch_ms or 'default'} | {embed_process or 'default'} | {batch_chunks or 'default'}"
-                      f" | {rayon or 'default'}"
+                      f" | {rayon or 'default'} | {write_behind or 'default'}"
                       f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
                       f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s ({peer_s:.1f} s)"
                       f" | {chunks / embed_s / peer:.2f}x | {peer_s / total_s:.2f}x ({total_s:.1f} s) |", flush=True)

@@ -21,7 +21,9 @@ batch order.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -77,6 +79,10 @@ class StageClock(Protocol):
 
 Batch = list[tuple[OpenDocument, Chunk]]
 
+# With write-behind, the caller waits when this many batches are behind it (on the embedder or
+# the writer): the memory held, and what a kill loses, stay bounded.
+_MAX_BEHIND = 3
+
 
 class BatchCommitter:
     """Queues the chunks of one document at a time and commits after every embed batch."""
@@ -85,13 +91,16 @@ class BatchCommitter:
                  staging: ChunkStaging, on_written: Callable[[OpenDocument], None],
                  clock: StageClock, on_batch: Callable[[CommitCounts], None] | None = None,
                  overlap: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS,
-                 embed_ready: Callable[[], None] | None = None) -> None:
+                 embed_ready: Callable[[], None] | None = None, write_behind: bool = True) -> None:
         """
         Args:
-            on_written: called after a document was written to the store.
-            clock: times the stages: "embed" (the embedder's own time, on its thread), "embed_wait"
-                (the time the ingest waited for it: what overlap did not hide), "write".
-            on_batch: called after each embed batch was committed (progress).
+            on_written: called after a document was written to the store (on the writer thread
+                with `write_behind`).
+            clock: times the stages (from two threads at once with `write_behind`): "embed" (the
+                embedder's own time, on its thread), "embed_wait" (the time the caller waited for
+                the batches behind it: what overlap did not hide), "write", and with
+                `write_behind` "writer_idle" (the writer waiting for the embedder).
+            on_batch: called after each embed batch was committed (progress), on the caller's thread.
             overlap: embed a batch on a thread of its own while the ingest goes on; False: embed
                 and write each batch before `add` returns (the order of work of one thread).
             switch_interval_ms: the GIL switch interval while the embed thread runs (0: the
@@ -99,7 +108,13 @@ class BatchCommitter:
             embed_ready: waits until the embedder can embed (a model loading in a worker process
                 while this run reads); called before the first batch, its time counted as the
                 stage "embed_start", not "embed".
-        Call `close()` when done (`flush()` first to keep the work).
+            write_behind: with overlap, every store and staging write runs on one writer thread
+                of its own, in the order the caller asked for them, while the caller reads and
+                chunks the next documents; False: the caller's thread writes each batch when
+                it sends the next one.
+        Call `close()` when done (`flush()` first to keep the work). With `write_behind`, store
+        writes the caller makes between batches go through `store_write`, so that they keep
+        their order with the batches' (and one thread holds the store's write transaction).
         """
         assert batch_chunks >= 1
         self.index = index
@@ -119,6 +134,15 @@ class BatchCommitter:
         self._thread: ThreadPoolExecutor | None = None
         self._inflight: tuple[Batch, Future[tuple[np.ndarray, float, float]]] | None = None
         self._embed_ready = embed_ready
+        # Write-behind: the writer's tasks in submission order, each marked whether it commits a batch.
+        self._write_behind = overlap and write_behind
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: deque[tuple[bool, Future[None]]] = deque()
+        self._batches_behind = 0  # batch commits submitted to the writer and not yet collected
+        self._writer_failed = False  # a writer task raised: the ones after it do nothing
+        self._reported = 0  # batches passed to on_batch
+        # OpenDocument.waiting, .complete and .aborted change on both threads with write-behind.
+        self._lock = threading.Lock()
 
     @property
     def waiting(self) -> int:
@@ -146,16 +170,19 @@ class BatchCommitter:
             # last chunk fills waits for the caller's `send` after `end`, so that document is
             # written, not staged.
             self.send()
-        entry.waiting += 1
+        with self._lock:
+            entry.waiting += 1
         self._queue.append((entry, chunk))
 
     def end(self) -> int:
         """The current document has no more chunks; returns how many it had (0: nothing is written)."""
         entry, self._current = self._current, None
         assert entry is not None
-        entry.complete = True
-        if entry.num_chunks and entry.waiting == 0:  # its last chunk was embedded (or staged) already
-            self._write([entry])
+        with self._lock:
+            entry.complete = True
+            whole = entry.num_chunks > 0 and entry.waiting == 0  # its last chunk was embedded (or staged) already
+        if whole:
+            self._in_order(self._write, [entry])
         return entry.num_chunks
 
     def abort(self) -> None:
@@ -163,16 +190,27 @@ class BatchCommitter:
         entry, self._current = self._current, None
         if entry is None:
             return
-        entry.aborted = True  # chunks of it on the embedder come back to nothing
+        with self._lock:
+            entry.aborted = True  # chunks of it on the embedder come back to nothing
         self._queue = [(e, c) for e, c in self._queue if e is not entry]
         if entry._staged or entry.num_chunks:
-            self.staging.discard(entry.doc.key)
+            self._in_order(self.staging.discard, entry.doc.key)
+
+    def store_write(self, write: Callable[..., object], *args: object) -> None:
+        """Make a store write (an ACL change between documents) in order with the batches' writes.
+
+        With write-behind it runs on the writer thread after the writes asked for before it, and
+        its error ends the run at the next `send` or `flush`; else now.
+        """
+        self._in_order(write, *args)
 
     def send(self) -> None:
-        """Send the queued chunks to the embedder; with overlap, the batch before them is written meanwhile.
+        """Send the queued chunks to the embedder; with overlap, the batches before them are written meanwhile.
 
         Without overlap the batch is embedded and written before this returns. With it, this
-        returns once the previous batch is written, while this one is still being embedded.
+        returns once the previous batch is written (without write-behind), or once at most
+        `_MAX_BEHIND` batches wait for the embedder and the writer (with it), while this one is
+        still being embedded.
         """
         if not self._queue:
             return
@@ -188,26 +226,105 @@ class BatchCommitter:
             if self._switch_interval_ms > 0:
                 acquire_shorter(self._switch_interval_ms)
                 self._lowered = True
-        previous, self._inflight = self._inflight, (queue, self._thread.submit(self._timed_embed, texts))
+        embedding = self._thread.submit(self._timed_embed, texts)
+        if self._write_behind:
+            self._submit(True, self._collect, (queue, embedding))
+            self._collect_writes(_MAX_BEHIND)
+            return
+        previous, self._inflight = self._inflight, (queue, embedding)
         if previous is not None:
             self._collect(previous)
+
+    def poll(self) -> None:
+        """Report the batches the writer has committed since (progress), and raise its first error; never waits."""
+        if self._write_behind:
+            self._collect_writes(_MAX_BEHIND)
 
     def flush(self) -> None:
         """Embed everything queued and write (or stage) all of it before returning."""
         self.send()
+        if self._write_behind:
+            if self._writer is not None:
+                self._submit(False, self._release_writer)  # the writer's open batch committed
+                self._collect_writes(0)
+            return
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             self._collect(previous)
 
     def close(self) -> None:
-        """Stop the embed thread; a batch still on it is dropped (`flush()` first to keep it)."""
+        """Stop the embed and writer threads; batches not written are dropped (`flush()` first to keep them)."""
         self._inflight = None
+        for _, task in self._writes:
+            task.cancel()  # not started yet; the one running ends first
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)  # an embed call under way ends first
             self._thread = None
+        if self._writer is not None:
+            # The documents it wrote are whole: commit them, and close its store connection.
+            released = self._writer.submit(self._release_writer)  # also after a failed write
+            self._writer.shutdown(wait=True)
+            self._writer = None
+            self._writes.clear()
+            if not released.cancelled() and released.exception() is not None:
+                log.warning("committing the ingest's last writes failed: %s", released.exception())
         if self._lowered:
             self._lowered = False
             release_shorter()
+
+    # -- the writer thread (write-behind) ---------------------------------------------------
+
+    def _in_order(self, write: Callable[..., object], *args: object) -> None:
+        """Run `write(*args)` now, or on the writer thread after the writes submitted before it."""
+        if not self._write_behind:
+            write(*args)
+            return
+        self._submit(False, self._timed_write, write, *args)
+
+    def _submit(self, is_batch: bool, task: Callable[..., None], *args: object) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-write")
+        self._batches_behind += is_batch
+        self._writes.append((is_batch, self._writer.submit(self._guarded, task, *args)))
+
+    def _guarded(self, task: Callable[..., None], *args: object) -> None:
+        """A writer task; after one failed, the rest do nothing (the caller raises the first error)."""
+        if self._writer_failed:
+            return
+        try:
+            task(*args)
+        except BaseException:
+            self._writer_failed = True
+            raise
+
+    def _timed_write(self, write: Callable[..., object], *args: object) -> None:
+        with self.clock("write"):
+            write(*args)
+
+    def _collect_writes(self, keep: int) -> None:
+        """Take the writer's finished tasks (the first error rises), waiting until at most `keep` batches are behind."""
+        while self._writes:
+            is_batch, task = self._writes[0]
+            if not task.done():
+                if self._batches_behind <= keep:
+                    break
+                with self.clock("embed_wait"):  # what the embedder and the writer did not hide
+                    task.result()
+            self._writes.popleft()
+            self._batches_behind -= is_batch
+            task.result()  # the first error ends the run (later tasks did nothing)
+        self._report_batches()
+
+    def _release_writer(self) -> None:
+        """On the writer thread: commit what it wrote and close what the store opened for it."""
+        self.index.release_thread()
+
+    def _report_batches(self) -> None:
+        if self.on_batch is not None and self.counts.batches > self._reported:
+            self._reported = self.counts.batches
+            self.on_batch(self.counts)
+
+    # -- embedding and committing ------------------------------------------------------------
 
     def _timed_embed(self, texts: list[str]) -> tuple[np.ndarray, float, float]:
         """(vectors, seconds embedding, seconds waiting for the embedder to be ready first)."""
@@ -223,7 +340,8 @@ class BatchCommitter:
 
     def _collect(self, inflight: tuple[Batch, Future[tuple[np.ndarray, float, float]]]) -> None:
         queue, future = inflight
-        with self.clock("embed_wait"):
+        # With write-behind this is the writer waiting for the embedder, not the caller.
+        with self.clock("writer_idle" if self._write_behind else "embed_wait"):
             vectors, seconds, waited = future.result()  # the embedder's error ends the run here
         self._commit(queue, vectors, seconds, waited)
 
@@ -234,31 +352,33 @@ class BatchCommitter:
             self.clock.add("embed_start", start_seconds)
         self.max_batch = max(self.max_batch, len(queue))
         touched: dict[int, OpenDocument] = {}
-        for (entry, chunk), vector in zip(queue, vectors, strict=True):
-            entry.waiting -= 1
-            if entry.aborted:
-                continue
-            entry._ready.append(chunk)
-            entry._vectors.append(vector)
-            touched[id(entry)] = entry
+        with self._lock:
+            for (entry, chunk), vector in zip(queue, vectors, strict=True):
+                entry.waiting -= 1
+                if entry.aborted:
+                    continue
+                entry._ready.append(chunk)
+                entry._vectors.append(vector)
+                touched[id(entry)] = entry
+            # A document is written once: here if `end` came before its last chunk was embedded,
+            # else by the write `end` asks for (it sees `waiting` 0 under this lock).
+            whole = {key: entry for key, entry in touched.items() if entry.complete and entry.waiting == 0}
+        log.info("embedded batch %d: %d chunks (%d in this run)", self.counts.batches + 1, len(queue),
+                 self.counts.chunks_embedded + len(queue))
+        with self.clock("write"):
+            try:
+                for key, entry in touched.items():
+                    if key not in whole:  # still being read (or waiting for more of its chunks): keep the work
+                        self._stage(entry)
+                self._write(list(whole.values()))
+            finally:  # also when a write failed: the batches written before it are whole
+                self.index.flush()
+        # Counted once committed: the caller's progress (from another thread) never runs ahead of the store.
         self.counts.chunks_embedded += len(queue)
         self.counts.tokens_embedded += sum(c.num_tokens for _, c in queue)
         self.counts.batches += 1
-        log.info("embedded batch %d: %d chunks (%d in this run)", self.counts.batches, len(queue),
-                 self.counts.chunks_embedded)
-        with self.clock("write"):
-            try:
-                whole = []
-                for entry in touched.values():
-                    if entry.complete and entry.waiting == 0:
-                        whole.append(entry)
-                    else:  # still being read (or waiting for more of its chunks): keep the work
-                        self._stage(entry)
-                self._write(whole)
-            finally:  # also when a write failed: the batches written before it are whole
-                self.index.flush()
-        if self.on_batch is not None:
-            self.on_batch(self.counts)
+        if not self._write_behind:
+            self._report_batches()
 
     def _stage(self, entry: OpenDocument) -> None:
         if not entry._ready:

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import json
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -159,7 +160,7 @@ class IngestPipeline:
                  max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES, staging_path: Path | None = None,
                  stream_above_bytes: int = STREAM_ABOVE_BYTES, chunk_batch: int = 256, workers: int = 1,
                  overlap_embedding: bool = True, switch_interval_ms: float = OVERLAP_SWITCH_INTERVAL_MS,
-                 embed_ready: Callable[[], None] | None = None) -> None:
+                 embed_ready: Callable[[], None] | None = None, write_behind: bool = True) -> None:
         """
         Args:
             guard: how much a run may delete (default: at most half the collection, and never
@@ -172,6 +173,8 @@ class IngestPipeline:
                 loses at most the batches not yet written (with overlap, up to three).
             overlap_embedding: embed each batch on a thread of its own while the run reads,
                 chunks and writes the others (False: one thing at a time; the same rows).
+            write_behind: with overlap, write to the store on a thread of its own too, in order,
+                while this one reads and chunks (False: this thread writes each batch; the same rows).
             switch_interval_ms: the GIL switch interval while the embed thread runs (0: unchanged).
             embed_ready: waits until `embed` can run (a model loading in a worker process while
                 this run walks and parses); its wait is the stage "embed_start".
@@ -194,6 +197,7 @@ class IngestPipeline:
         self.chunk_batch = chunk_batch
         self.workers = workers
         self.overlap_embedding = overlap_embedding
+        self.write_behind = write_behind
         self.switch_interval_ms = switch_interval_ms
         self.embed_ready = embed_ready
         self.max_document_bytes = max_document_bytes
@@ -264,7 +268,7 @@ class IngestPipeline:
         committer = BatchCommitter(self.store, self.embed, self.batch_chunks, staging,
                                    lambda entry: _count_written(entry, report), clock, on_batch,
                                    overlap=self.overlap_embedding, switch_interval_ms=self.switch_interval_ms,
-                                   embed_ready=self.embed_ready)
+                                   embed_ready=self.embed_ready, write_behind=self.write_behind)
         def wants_parse(item: SourceItem | SourceProblem) -> bool:
             if isinstance(item, SourceProblem) or not mine(item.key):
                 return False
@@ -284,7 +288,7 @@ class IngestPipeline:
                 elif isinstance(item, SourceProblem):
                     report.problems.append(Problem(item.key, item.reason))
                     if old is not None:
-                        self._keep(item, old, report, clock)
+                        self._keep(item, old, report, committer)
                 else:
                     self._one(item, old, report, committer, clock, parsed)
                 if progress:
@@ -292,6 +296,8 @@ class IngestPipeline:
                 self.max_pending_chunks = max(self.max_pending_chunks, committer.waiting)
                 if committer.waiting >= self.batch_chunks:
                     committer.send()
+                else:
+                    committer.poll()  # the writer's progress, and its error ends the run here
             committer.flush()
         report.chunks_embedded = committer.counts.chunks_embedded
         report.chunks_resumed = committer.counts.chunks_resumed
@@ -314,7 +320,7 @@ class IngestPipeline:
         return report
 
     def _keep(self, problem: SourceProblem, old: DocumentState, report: IngestReport,
-              clock: _Clock) -> None:
+              committer: BatchCommitter) -> None:
         """A stored document whose source failed stays, with the source's ACL now, else nobody's."""
         acl = NOBODY if problem.acl is None else problem.acl
         if problem.acl is None:
@@ -322,8 +328,7 @@ class IngestPipeline:
         elif widens(old.acl, acl):
             report.widened.append(Widening(problem.key, old.acl, acl))
         if old.acl != acl:
-            with clock("write"):
-                restrict(self.store, problem.key, acl)
+            committer.store_write(restrict, self.store, problem.key, acl)
 
     def _parsed_ahead(self, items: Iterator[SourceItem | SourceProblem],
                       wants_parse: Callable[[SourceItem | SourceProblem], bool],
@@ -417,14 +422,13 @@ class IngestPipeline:
             report.widened.append(Widening(item.key, old.acl, item.acl))
         if old is not None and old.content_hash == item.content_hash:
             if old.acl != item.acl:
-                with clock("write"):
-                    self.store.set_acl(item.key, item.acl)
+                committer.store_write(self.store.set_acl, item.key, item.acl)
                 report.acl_updated += 1
             else:
                 report.unchanged += 1
             return
         if self._over_cap(item, report):
-            self._keep_acl(item, old, clock)
+            self._keep_acl(item, old, committer)
             return
         # Parsing and chunking stream (a huge text file is read a block at a time): the chunks
         # go to the committer as they come, which embeds and commits them a batch at a time.
@@ -437,7 +441,7 @@ class IngestPipeline:
             else:
                 doc, elements = parsed[0], iter(parsed[1])
         except Exception as e:
-            self._failed(item, old, e, report, clock)
+            self._failed(item, old, e, report, committer)
             return
         committer.begin(doc, item.acl, is_new=old is None)
         parsing: dict[str, float] = {}  # the part of "chunk" spent reading later blocks
@@ -449,27 +453,27 @@ class IngestPipeline:
                         chunk = next(chunks, None)
                 except Exception as e:  # a later block failed to parse: none of the document is written
                     committer.abort()
-                    self._failed(item, old, e, report, clock)
+                    self._failed(item, old, e, report, committer)
                     return
                 if chunk is None:
                     break
                 committer.add(chunk)  # may embed a batch: its errors are not this source's, they end the run
         finally:
             moved = parsing.get("parse", 0.0)
-            report.seconds["parse"] = report.seconds.get("parse", 0.0) + moved
-            report.seconds["chunk"] = report.seconds.get("chunk", 0.0) - moved
+            clock.add("parse", moved)
+            clock.add("chunk", -moved)
         with clock("write"):
             num_chunks = committer.end()
         if not num_chunks:
             report.problems.append(Problem(item.key, "no text extracted"))
-            self._keep_acl(item, old, clock)
+            self._keep_acl(item, old, committer)
 
     def _failed(self, item: SourceItem, old: DocumentState | None, e: Exception, report: IngestReport,
-                clock: _Clock) -> None:
+                committer: BatchCommitter) -> None:
         if not isinstance(e, IngestError):  # a parser bug must not end the run; say what it was
             log.debug("parse failed for %s", item.key, exc_info=e)
         report.problems.append(Problem(item.key, failure_reason(e)))
-        self._keep_acl(item, old, clock)
+        self._keep_acl(item, old, committer)
 
     def _over_cap(self, item: SourceItem, report: IngestReport) -> bool:
         if not self._is_over_cap(item):
@@ -485,12 +489,11 @@ class IngestPipeline:
         except OSError:
             return False  # parsing reports why it cannot be read
 
-    def _keep_acl(self, item: SourceItem, old: DocumentState | None, clock: _Clock) -> None:
+    def _keep_acl(self, item: SourceItem, old: DocumentState | None, committer: BatchCommitter) -> None:
         # The stored version of a source that no longer parses stays, but under the source's
         # ACL now: it may have been narrowed (or be unknown) since that version was written.
         if old is not None and old.acl != item.acl:
-            with clock("write"):
-                restrict(self.store, item.key, item.acl)
+            committer.store_write(restrict, self.store, item.key, item.acl)
 
 
 def _count_written(entry: OpenDocument, report: IngestReport) -> None:
@@ -530,23 +533,31 @@ def _timed(items: Iterable[T], clock: _Clock, stage: str) -> Iterator[T]:
 
 
 class _Clock:
-    """Adds the time spent in each stage to a dict."""
+    """Adds the time spent in each stage to a dict; the ingest's threads time their stages at once."""
 
     def __init__(self, seconds: dict[str, float]) -> None:
         self.seconds = seconds
-        self._stage = ""
-        self._t = 0.0
+        self._lock = threading.Lock()
 
-    def __call__(self, stage: str) -> _Clock:
-        self._stage = stage
-        return self
-
-    def __enter__(self) -> None:
-        self._t = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.add(self._stage, time.perf_counter() - self._t)
+    def __call__(self, stage: str) -> _Timing:
+        return _Timing(self, stage)
 
     def add(self, stage: str, seconds: float) -> None:
         """Count time measured elsewhere (the embed thread's own clock) to a stage."""
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+class _Timing:
+    """`with clock(stage):` times one stretch of a stage."""
+
+    __slots__ = ("clock", "stage", "started")
+
+    def __init__(self, clock: _Clock, stage: str) -> None:
+        self.clock, self.stage, self.started = clock, stage, 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock.add(self.stage, time.perf_counter() - self.started)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,7 +52,11 @@ class ChunkStaging:
             # Chunk text of any permission is here: only the job's owner may open the file.
             private_mkdir(path.parent)
             create_private_sqlite_file(path)
-        self._db = sqlite3.connect(str(path) if path is not None else ":memory:", isolation_level=None)
+        # Ingest's writer thread stages and takes rows while the caller's thread looks up the next
+        # document's: one connection, one caller at a time (`_lock`).
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(path) if path is not None else ":memory:", isolation_level=None,
+                                   check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
@@ -67,38 +72,44 @@ class ChunkStaging:
         self._keys = {k for (k,) in self._db.execute("SELECT DISTINCT key FROM staged_chunks")}
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            self._db.close()
 
     def staged(self, key: str, content_hash: str) -> dict[int, str]:
         """{chunk index: text hash} staged for this version of `key`; other versions' rows are dropped."""
         if key not in self._keys:
             return {}
-        with self._db:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM staged_chunks WHERE key = ? AND content_hash != ?", (key, content_hash))
-        found = dict(self._db.execute("SELECT idx, text_hash FROM staged_chunks WHERE key = ?", (key,)).fetchall())
-        if not found:
-            self._keys.discard(key)
-        return found
+        with self._lock:
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute("DELETE FROM staged_chunks WHERE key = ? AND content_hash != ?",
+                                 (key, content_hash))
+            found = dict(self._db.execute("SELECT idx, text_hash FROM staged_chunks WHERE key = ?",
+                                          (key,)).fetchall())
+            if not found:
+                self._keys.discard(key)
+            return found
 
     def put(self, key: str, content_hash: str, chunks: Sequence[Chunk], vectors: np.ndarray) -> None:
         """Stage chunks with their vectors, in one transaction (all of them survive a kill, or none)."""
         assert len(chunks) == len(vectors)
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        with self._db:
-            self._db.execute("BEGIN")
-            self._db.executemany(
-                "INSERT OR REPLACE INTO staged_chunks (key, content_hash, idx, text_hash, text, heading,"
-                " num_tokens, metadata, vector) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(key, content_hash, c.index, text_hash(c.text), c.text, c.heading, c.num_tokens,
-                  json.dumps(c.metadata, sort_keys=True), v.tobytes()) for c, v in zip(chunks, vectors, strict=True)])
-        self._keys.add(key)
+        rows = [(key, content_hash, c.index, text_hash(c.text), c.text, c.heading, c.num_tokens,
+                 json.dumps(c.metadata, sort_keys=True), v.tobytes()) for c, v in zip(chunks, vectors, strict=True)]
+        with self._lock:
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO staged_chunks (key, content_hash, idx, text_hash, text, heading,"
+                    " num_tokens, metadata, vector) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            self._keys.add(key)
 
     def take(self, key: str, content_hash: str, dim: int) -> tuple[list[Chunk], np.ndarray]:
         """Every staged chunk of this version of `key`, by index, with its vectors (n, dim)."""
-        rows = self._db.execute(
-            "SELECT idx, text, heading, num_tokens, metadata, vector FROM staged_chunks"
-            " WHERE key = ? AND content_hash = ? ORDER BY idx", (key, content_hash)).fetchall()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT idx, text, heading, num_tokens, metadata, vector FROM staged_chunks"
+                " WHERE key = ? AND content_hash = ? ORDER BY idx", (key, content_hash)).fetchall()
         chunks = [Chunk(document_key=key, index=i, text=t, num_tokens=n, heading=h, metadata=json.loads(m))
                   for i, t, h, n, m, _ in rows]
         vectors = np.empty((len(rows), dim), dtype=np.float32)
@@ -107,13 +118,15 @@ class ChunkStaging:
         return chunks, vectors
 
     def discard(self, key: str) -> None:
-        with self._db:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM staged_chunks WHERE key = ?", (key,))
-        self._keys.discard(key)
+        with self._lock:
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute("DELETE FROM staged_chunks WHERE key = ?", (key,))
+            self._keys.discard(key)
 
     def count(self) -> int:
-        return int(self._db.execute("SELECT COUNT(*) FROM staged_chunks").fetchone()[0])
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM staged_chunks").fetchone()[0])
 
     def remove(self) -> None:
         """Close and delete the file: a finished run leaves no chunk text outside the collection."""

@@ -228,6 +228,7 @@ class Rag:
                                       staging_path=staging, chunk_batch=chunk_batch,
                                       workers=ingest_worker_count(self.settings.ingest_workers),
                                       overlap_embedding=self.settings.ingest_overlap_embedding,
+                                      write_behind=self.settings.ingest_write_behind,
                                       switch_interval_ms=self.settings.ingest_switch_interval_ms,
                                       embed_ready=self.embedder.wait_ready)  # fmt: skip
             worker_before = self.embedder.worker_seconds

@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     # others (on a GPU node the embedder otherwise waits for all of that); false does one thing
     # at a time. The rows are the same either way.
     ingest_overlap_embedding: bool = True
+    # With the overlap, write each embedded batch into the store on one writer thread of its own
+    # too, in order, while `rag ingest` reads and chunks the next documents (on a GPU node the
+    # reading, chunking and writing on one thread were the bound); false writes on the reading
+    # thread. The rows are the same either way.
+    ingest_write_behind: bool = True
     # Run the embedder of `rag ingest` in a process of its own (spawned; this one keeps only the
     # tokenizer the chunker counts with): its many short GPU launches then never wait for the GIL
     # of the reading, chunking and writing. None = where the embedder runs on a GPU. The model

@@ -40,6 +40,17 @@ class ThreadConnections:
                 self._all.append(conn)
         return conn
 
+    def release(self) -> None:
+        """Close this thread's connection, if it opened one (a thread that ends: ingest's writer)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            return
+        self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        conn.close()
+
     def close(self) -> None:
         """Close every thread's connection (call when no thread uses the database any more)."""
         with self._lock:

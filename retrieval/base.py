@@ -96,6 +96,12 @@ class CollectionStore(Protocol):
         """
         ...
 
+    def release_thread(self) -> None:
+        """The calling thread is done with the store: commit its buffered writes (as `flush`) and close
+        what the store opened for it (the embedded catalog's connection of this thread). Ingest's
+        writer thread calls it before it ends."""
+        ...
+
     def save(self) -> None:
         """Make writes durable for other readers (Faiss file); a no-op where writes already are."""
         ...

@@ -109,6 +109,14 @@ class CollectionBuild(ABC):
         if self._live_index is not None:
             self._live_index.flush()
 
+    def release_thread(self) -> None:
+        try:
+            if self._build is not None:
+                self._build.release_thread()
+        finally:
+            if self._live_index is not None:
+                self._live_index.release_thread()
+
     def save(self) -> None:
         self.build.save()  # also when nothing was written: finish() renames the saved file
         if self._live_index is not None:

@@ -163,6 +163,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                                 chunk_batch=settings.ingest_chunk_batch,
                                 workers=ingest_worker_count(settings.ingest_workers),
                                 overlap_embedding=settings.ingest_overlap_embedding,
+                                write_behind=settings.ingest_write_behind,
                                 switch_interval_ms=settings.ingest_switch_interval_ms,
                                 embed_ready=embedder.wait_ready,
                                 staging_path=directory / "staging.sqlite").run(

@@ -20,9 +20,10 @@ the ones that found fewer than k and were answered exactly instead).
 
 from __future__ import annotations
 
-import io
 import math
 import os
+import time
+import zipfile
 from pathlib import Path
 
 import faiss
@@ -134,10 +135,12 @@ class _AnnIndex:
             raise StoreError(f"{len(ids)} ids for {len(vectors)} vectors")
         if len(ids) == 0:
             return
-        # A repeated id within one call: the last vector wins, as in the reference store.
-        _, last = np.unique(ids[::-1], return_index=True)
-        keep = np.sort(len(ids) - 1 - last)
-        ids, vectors = ids[keep], np.ascontiguousarray(vectors[keep])
+        # A repeated id within one call: the last vector wins, as in the reference store. Ids in
+        # strictly ascending order (a bulk load of catalog ids) repeat none: no sort, no gathered copy.
+        if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+            _, last = np.unique(ids[::-1], return_index=True)
+            keep = np.sort(len(ids) - 1 - last)
+            ids, vectors = ids[keep], vectors[keep]
         self.remove(ids)
         start, m = self._n, len(ids)
         labels = np.arange(start, start + m, dtype=np.int64)
@@ -148,9 +151,11 @@ class _AnnIndex:
         self._n += m
         self._label_of.update(zip(ids.tolist(), labels.tolist(), strict=True))
         self._rows_changed()
-        self._after_add(labels, vectors)
+        self._after_add(labels, self._vbuf[start:start + m])  # our contiguous float32 copy of `vectors`
 
     def remove(self, ids: np.ndarray) -> None:
+        if not self._label_of:
+            return  # nothing live (a first bulk add): no per-id lookups
         dead = [self._label_of.pop(int(i)) for i in np.asarray(ids, dtype=np.int64) if int(i) in self._label_of]
         if not dead:
             return
@@ -194,24 +199,39 @@ class _AnnIndex:
         """One file holding the index and the label tables; written atomically."""
         self._sync()
         tmp = path.with_suffix(path.suffix + ".tmp")
+        # faiss.serialize_index's bytes, without its copy into a fresh array: the array views the
+        # writer's buffer (kept alive until written), reserved up front so it never regrows.
+        writer = faiss.VectorIOWriter()
+        writer.data.resize(self._serialized_size_hint())
+        writer.data.resize(0)  # a std::vector keeps its capacity
+        faiss.write_index(self.index, writer)
+        size = writer.data.size()
+        index_bytes = faiss.rev_swig_ptr(writer.data.data(), size) if size else np.empty(0, dtype=np.uint8)
         with open_private(tmp, "wb") as f:
-            np.savez(f, kind=np.array(self.kind), index=faiss.serialize_index(self.index),
+            np.savez(f, kind=np.array(self.kind), index=index_bytes,
                      vecs=self._vecs, ext=self._ext, live=self._live, **self._extra_arrays())
+        del index_bytes, writer
         os.replace(tmp, path)
+
+    def _serialized_size_hint(self) -> int:
+        """About how many bytes the Faiss index serializes to (a reservation; 0: let it grow)."""
+        return 0
 
     @classmethod
     def load(cls, path: Path, dim: int, exact_below: int = EXACT_BELOW) -> _AnnIndex:
         try:
-            with np.load(io.BytesIO(path.read_bytes())) as data:
+            # Members are read from the file as needed (not the whole file into memory first), the
+            # index streamed from its member straight into Faiss (no array, no vector copy of it).
+            with open(path, "rb") as f, np.load(f) as data:
                 if str(data["kind"]) != cls.kind:
                     raise StoreError(f"{path} holds a {data['kind']} index, not {cls.kind}")
                 store = cls(dim, exact_below=exact_below)
-                store.index = faiss.deserialize_index(data["index"])
+                store.index = _read_index_member(data.zip, "index.npy")
                 store._vecs = data["vecs"].astype(np.float32, copy=False)
                 store._ext = data["ext"].astype(np.int64, copy=False)
                 store._live = data["live"].astype(bool, copy=False)
                 store._read_extra_arrays(data)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError, RuntimeError, EOFError, zipfile.BadZipFile) as e:
             raise StoreError(f"cannot read Faiss index {path}: {e}") from e
         if store._vecs.shape[1:] != (dim,) or store.index.d != dim:
             raise StoreError(f"{path} holds {store._vecs.shape[1]}-dim vectors, expected {dim}")
@@ -297,13 +317,25 @@ class _AnnIndex:
 
     def _compact(self) -> None:
         live = np.flatnonzero(self._live)
-        vecs, ext = self._vecs[live], self._ext[live]  # before _n changes with the first setter
-        self._vecs = vecs
-        self._ext = ext
-        self._live = np.ones(len(live), dtype=bool)
-        self._label_of = dict(zip(self._ext.tolist(), range(len(live)), strict=True))
+        if len(live) < self._n:  # every row live (a first training): labels are already 0..n-1, nothing moves
+            vecs, ext = self._vecs[live], self._ext[live]  # before _n changes with the first setter
+            self._vecs = vecs
+            self._ext = ext
+            self._live = np.ones(len(live), dtype=bool)
+            self._label_of = dict(zip(self._ext.tolist(), range(len(live)), strict=True))
         self._rows_changed()
         self._train_and_fill()
+
+
+def _read_index_member(archive: zipfile.ZipFile, name: str) -> faiss.Index:
+    """faiss.deserialize_index of the uint8 array `name` of an npz file, read from its member in chunks."""
+    with archive.open(name) as member:
+        version = np.lib.format.read_magic(member)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = header(member)
+        if dtype != np.uint8 or len(shape) != 1:
+            raise ValueError(f"{name} is a {dtype} array of shape {shape}, not serialized index bytes")
+        return faiss.read_index(faiss.PyCallbackIOReader(member.read, 1 << 22))
 
 
 class HnswIndex(_AnnIndex):
@@ -352,6 +384,9 @@ class IvfIndex(_AnnIndex):
         self.nprobe = nprobe
         self.trained_on = 0
         self.probes: ProbeTable | None = None  # measured at training; None: not trained, or an old file
+        # Wall seconds of the last (re)training's phases ("train": k-means, "fill": the lists, "calibrate"),
+        # for logs and benchmarks; empty until one ran in this instance.
+        self.build_seconds: dict[str, float] = {}
         super().__init__(dim, exact_below)
 
     def _new_index(self, n: int) -> faiss.Index:
@@ -369,6 +404,8 @@ class IvfIndex(_AnnIndex):
         pass  # IVF adds go straight to their lists (cheap per batch)
 
     def remove(self, ids: np.ndarray) -> None:
+        if not self._label_of:
+            return
         labels = [self._label_of[int(i)] for i in np.asarray(ids, dtype=np.int64) if int(i) in self._label_of]
         if labels and self.index.is_trained:
             self.index.remove_ids(np.asarray(labels, dtype=np.int64))
@@ -383,10 +420,14 @@ class IvfIndex(_AnnIndex):
             self.index, self.trained_on, self.probes = self._new_index(0), 0, None
             return
         self.index = self._new_index(n)
-        self.index.train(self._vecs)
+        t0 = time.perf_counter()
+        self.index.train(self._vecs)  # Faiss' k-means samples 256 rows a list of these itself
+        t1 = time.perf_counter()
         self.index.add_with_ids(self._vecs, np.arange(n, dtype=np.int64))
+        t2 = time.perf_counter()
         self.trained_on = n
         self._calibrate()
+        self.build_seconds = {"train": t1 - t0, "fill": t2 - t1, "calibrate": time.perf_counter() - t2}
 
     def _calibrate(self) -> None:
         """Measure the probe table on the trained CPU index (every row is live right after a build)."""
@@ -420,6 +461,10 @@ class IvfIndex(_AnnIndex):
         assert isinstance(store, IvfIndex)
         store.trained_on = int(store.index.ntotal) if store.index.is_trained else 0
         return store
+
+    def _serialized_size_hint(self) -> int:
+        index = self.index  # IVF-Flat: each row's code and id, the centroids, a little per list and header
+        return int(index.ntotal * (index.code_size + 8) + index.nlist * (4 * self.dim + 64) + (1 << 16))
 
     def _extra_arrays(self) -> dict[str, np.ndarray]:
         return {} if self.probes is None else self.probes.to_arrays()

@@ -84,6 +84,13 @@ class Catalog:
         finally:
             self._conns.close()
 
+    def release_thread(self) -> None:
+        """Commit this thread's open batch, then close its connection (the thread is done with the catalog)."""
+        try:
+            self.commit()
+        finally:
+            self._conns.release()
+
     def commit(self) -> None:
         """Commit this thread's open batch of `replace_document(..., batched=True)` writes (if any).
 

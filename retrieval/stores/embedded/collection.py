@@ -155,6 +155,10 @@ class EmbeddedCollection:
         """Commit the documents written since the last commit (one catalog transaction)."""
         self.catalog.commit()
 
+    def release_thread(self) -> None:
+        """Commit this thread's writes and close its catalog connection (ingest's writer thread ends)."""
+        self.catalog.release_thread()
+
     def replace_document(self, doc: Document, acl: frozenset[str], chunks: Sequence[Chunk],
                          vectors: np.ndarray) -> None:
         """Write a document whole. With `batch_writes` (ingest) it is a savepoint committed with its

@@ -243,6 +243,10 @@ class PgvectorCollection:
             self._load.forget()  # a lost connection took its load lock along
             raise
 
+    def release_thread(self) -> None:
+        """Commit the buffered writes (one session serves every thread: nothing is this thread's own)."""
+        self.flush()
+
     def set_acl(self, key: str, acl: frozenset[str]) -> None:
         """Change a document's ACL (and its chunks' copies) without touching vectors.
 
