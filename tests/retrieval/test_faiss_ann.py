@@ -102,3 +102,51 @@ def test_a_repeated_allowed_id_is_one_hit(kind):
     allowed = np.array([3, 3, 7, 7, 7, 9, 1000], dtype=np.int64)  # 1000: not stored
     hits = store.search(vecs[3], 5, allowed)
     assert sorted(i for i, _ in hits) == [3, 7, 9] and hits[0][0] == 3
+
+
+def test_ivf_bulk_add_of_ascending_ids_keeps_last_wins_and_times_its_build(data):
+    """A first add of ascending ids (a bulk load) skips the duplicate check and the relabelling: the
+    same rows, labels and answers as one given out of order with a repeated id (the last vector wins)."""
+    ids, vecs, queries = data
+    order = np.argsort(ids)
+    bulk = make_vector_index("faiss-ivf", DIM)
+    bulk.add(ids[order], vecs[order])
+    assert set(bulk.build_seconds) == {"train", "fill", "calibrate"}
+    assert bulk.index.ntotal == N and bulk.count() == N
+    assert bulk._label_of == dict(zip(ids[order].tolist(), range(N), strict=True))
+    mixed = make_vector_index("faiss-ivf", DIM)
+    stale = np.zeros((1, DIM), dtype=np.float32)
+    mixed.add(np.concatenate([ids[order][:1], ids]), np.concatenate([stale, vecs]))  # ids[...][0] twice
+    assert mixed.count() == N
+    allowed = np.sort(ids)[: EXACT_BELOW + 1000]
+    for q in queries[:5]:
+        assert bulk.search(q, 10, allowed, exact=True) == mixed.search(q, 10, allowed, exact=True)
+        assert {i for i, _ in bulk.search(q, 10, allowed)} <= set(allowed.tolist())
+
+
+def test_ivf_file_of_the_earlier_writer_loads_and_a_cut_file_is_refused(data, tmp_path):
+    """The file is the npz it always was: one written through faiss.serialize_index and np.savez (the
+    earlier save) loads; a truncated one is a StoreError."""
+    import faiss
+
+    ids, vecs, queries = data
+    store = make_vector_index("faiss-ivf", DIM)
+    store.add(ids, vecs)
+    old = tmp_path / "old.ivf"
+    with open(old, "wb") as f:
+        np.savez(f, kind=np.array(store.kind), index=faiss.serialize_index(store.index), vecs=store._vecs,
+                 ext=store._ext, live=store._live, **store._extra_arrays())
+    new = tmp_path / "new.ivf"
+    store.save(new)
+    with np.load(old) as a, np.load(new) as b:
+        assert sorted(a.files) == sorted(b.files)
+        assert all(np.array_equal(a[name], b[name]) for name in a.files)
+    loaded = load_vector_index("faiss-ivf", old, DIM)
+    assert loaded.index.ntotal == N and loaded.probes == store.probes
+    allowed = np.sort(ids)[: EXACT_BELOW + 1000]
+    for q in queries[:5]:
+        assert loaded.search(q, 10, allowed) == store.search(q, 10, allowed)
+    cut = tmp_path / "cut.ivf"
+    cut.write_bytes(new.read_bytes()[: new.stat().st_size // 2])
+    with pytest.raises(StoreError, match="cannot read"):
+        load_vector_index("faiss-ivf", cut, DIM)
