@@ -7,9 +7,9 @@
     PYTHONPATH=. .venv/bin/python bench/filtered_search.py --n 200000 --stores pgvector \
         --pg-m 24 --pg-ef-construction 128 --pg-ef-more 400     # another HNSW graph (m, ef_construction)
     python3 bench/filtered_search.py --n 10000000 --stores faiss-ivf --no-pg --queries 50 \
-        --cache /tmp/fs10m --build-only        # 10M on a 16-core machine, call 1: data + index (~45 GB disk)
+        --cache /tmp/fs10m                     # 10M on a 16-core machine in one call: make, keep, search
     python3 bench/filtered_search.py --n 10000000 --stores faiss-ivf --no-pg --queries 50 \
-        --cache /tmp/fs10m                     # call 2: read both back, search
+        --cache /tmp/fs10m --build-only        # or in two: data + index (~45 GB disk), then again without it
 
 Data: N random unit vectors (384-d), documents of 10 chunks each, every document in one of
 100 groups. Users hold 50, 10 and 1 groups (50%, 10%, 1% of the corpus). Each store is
@@ -34,9 +34,13 @@ Stores (`--stores`), each through our own code; the exact peer always runs:
 Random isotropic vectors are the hard case for graph indexes (real embeddings cluster), so
 the search widths here are higher than a sample corpus needs.
 
-Memory stays bounded at 1M: the vectors are drawn in batches (same random stream as one
-draw), exact recall is computed over row chunks, pgvector is loaded a batch of documents per
-transaction (binary COPY), and the Faiss indexes are freed before PostgreSQL builds its graph.
+Memory stays bounded at 1M: the vectors are drawn in float32 blocks (on all cores), exact
+recall is computed over row chunks, pgvector is loaded a batch of documents per transaction
+(binary COPY), and the Faiss indexes are freed before PostgreSQL builds its graph.
+
+Each phase prints its wall time on a "# phase" line (data, data save, faiss-ivf build: copy +
+ids, k-means, list fill, probe calibration; save; load; the exact peer's copy; the exact truth),
+so a run that a time limit cuts short still says where the time went.
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,6 +73,7 @@ from retrieval.vectors.row_sets import union  # noqa: E402
 GROUPS = 100
 CHUNKS_PER_DOC = 10
 SHARES = {"50%": 50, "10%": 10, "1%": 1}
+DATA_BLOCK = 65_536  # rows drawn per task (and per child seed)
 
 
 def make_data(n: int, dim: int, seed: int = 0):
@@ -78,29 +85,34 @@ def make_data(n: int, dim: int, seed: int = 0):
     vectors. Within a topic the vectors are isotropic noise, the hard case for a graph: recall
     falls as a topic holds more of them, so a smaller N with fewer topics (200,000 over 200:
     1,000 a topic) stands in for 1M over 1,000 when comparing HNSW graphs.
-    """
-    rng = np.random.default_rng(seed)
-    topics = rng.standard_normal((args.topics, dim)).astype(np.float32)
-    topics /= np.linalg.norm(topics, axis=1, keepdims=True)
 
-    def draw(m: int, batch: int = 100_000) -> np.ndarray:
-        # float64 noise drawn batch by batch continues one stream, so the data are one big draw's
-        # (earlier runs' figures stay comparable; equal to float32 rounding, < 1e-7) without an
-        # N x dim float64 temporary.
-        v = np.empty((m, dim), dtype=np.float32)
-        for s in range(0, m, batch):
-            v[s:s + batch] = rng.standard_normal((min(batch, m - s), dim))
+    Drawn in float32 blocks of DATA_BLOCK rows, each from its own child of one seed, on all cores
+    (numpy's generators release the GIL): 10M x 384 is ~4e9 normals, ~100 s on one core. The data
+    depend on the seed and N only, never on the number of threads.
+    """
+    corpus_seed, query_seed, topic_seed, group_seed = np.random.SeedSequence(seed).spawn(4)
+    topics = np.random.default_rng(topic_seed).standard_normal((args.topics, dim), dtype=np.float32)
+    topics /= np.linalg.norm(topics, axis=1, keepdims=True)
+    scale = np.float32(1 / np.sqrt(dim))
+
+    def fill(out: np.ndarray, block_seed: np.random.SeedSequence) -> None:
+        rng = np.random.default_rng(block_seed)
+        rng.standard_normal(out.shape, dtype=np.float32, out=out)
         if args.data == "clustered":  # queries come from the same topics as the corpus
-            pick = rng.integers(0, len(topics), size=m)
-            for s in range(0, m, batch):
-                v[s:s + batch] = topics[pick[s:s + batch]] + v[s:s + batch] / np.sqrt(dim)
-        for s in range(0, m, batch):
-            v[s:s + batch] /= np.linalg.norm(v[s:s + batch], axis=1, keepdims=True)
+            out *= scale
+            out += topics[rng.integers(0, len(topics), size=len(out))]
+        out /= np.linalg.norm(out, axis=1, keepdims=True)
+
+    def draw(m: int, seq: np.random.SeedSequence) -> np.ndarray:
+        v = np.empty((m, dim), dtype=np.float32)
+        starts = range(0, m, DATA_BLOCK)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(lambda s, b: fill(v[s:s + DATA_BLOCK], b), starts, seq.spawn(len(starts))))
         return v
 
-    vecs = draw(n)
-    doc_group = rng.integers(0, GROUPS, size=n // CHUNKS_PER_DOC)
-    return vecs, doc_group, draw(args.queries)
+    vecs = draw(n, corpus_seed)
+    doc_group = np.random.default_rng(group_seed).integers(0, GROUPS, size=n // CHUNKS_PER_DOC)
+    return vecs, doc_group, draw(args.queries, query_seed)
 
 
 def cached_data(cache: Path):
@@ -115,11 +127,21 @@ def cached_data(cache: Path):
         out = (np.load(files["vecs"], mmap_mode="r"), np.load(files["doc_group"]), np.load(files["queries"]))
         print(f"# data read from {cache} in {time.perf_counter() - t:.1f} s", flush=True)
         return out
-    out = make_data(args.n, args.dim)
+    out = timed_data()
+    t = time.perf_counter()
     cache.mkdir(parents=True, exist_ok=True)
     for name, array in zip(files, out, strict=True):
         np.save(files[name], array)
     (cache / "data.json").write_text(json.dumps(meta))
+    print(f"# phase data save: {time.perf_counter() - t:.1f} s ({out[0].nbytes / 1e9:.1f} GB to {cache})", flush=True)
+    return out
+
+
+def timed_data():
+    t = time.perf_counter()
+    out = make_data(args.n, args.dim)
+    print(f"# phase data: {time.perf_counter() - t:.1f} s ({args.n:,} x {args.dim} float32, "
+          f"{os.cpu_count()} threads)", flush=True)
     return out
 
 
@@ -127,9 +149,13 @@ def build_ivf(ids: np.ndarray, vecs: np.ndarray) -> IvfIndex:
     t = time.perf_counter()
     ivf = IvfIndex(args.dim)
     ivf.add(ids, vecs)
+    built = time.perf_counter() - t
     calibration = f", probe calibration {ivf.probes.seconds:.1f} s of it" if ivf.probes else ""
-    print(f"# faiss-ivf built in {time.perf_counter() - t:.0f} s (k-means + fill{calibration}, {ivf.index.nlist} "
+    print(f"# faiss-ivf built in {built:.0f} s (k-means + fill{calibration}, {ivf.index.nlist} "
           f"lists, exact below {ivf.exact_below:,} readable)", flush=True)
+    phases = {"copy + ids": built - sum(ivf.build_seconds.values()), **ivf.build_seconds}
+    print("# phase faiss-ivf build: " + ", ".join(f"{name} {s:.1f} s" for name, s in phases.items())
+          + f" ({faiss.omp_get_max_threads()} OpenMP threads)", flush=True)
     return ivf
 
 
@@ -140,6 +166,7 @@ def cached_ivf(cache: Path, ids: np.ndarray, vecs: np.ndarray) -> IvfIndex:
     if path.exists():
         t = time.perf_counter()
         ivf = IvfIndex.load(path, args.dim)
+        print(f"# phase faiss-ivf load: {time.perf_counter() - t:.1f} s", flush=True)
         print(f"# faiss-ivf loaded from {path} in {time.perf_counter() - t:.0f} s ({path.stat().st_size / 1e9:.1f} GB; "
               f"{(cache / 'ivf.txt').read_text().strip() if (cache / 'ivf.txt').exists() else ''})", flush=True)
         return ivf
@@ -149,6 +176,7 @@ def cached_ivf(cache: Path, ids: np.ndarray, vecs: np.ndarray) -> IvfIndex:
     t = time.perf_counter()
     ivf.save(path)
     note = f"built in {built:.0f} s, saved in {time.perf_counter() - t:.0f} s"
+    print(f"# phase faiss-ivf save: {time.perf_counter() - t:.1f} s ({path.stat().st_size / 1e9:.1f} GB)", flush=True)
     (cache / "ivf.txt").write_text(note)
     print(f"# faiss-ivf {note} to {path}", flush=True)
     return ivf
@@ -234,7 +262,7 @@ def main() -> None:
         raise SystemExit("--build-only needs --cache (where the data and the index are kept)")
     started = time.perf_counter()
     cache = Path(args.cache) if args.cache else None
-    vecs, doc_group, queries = cached_data(cache) if cache else make_data(args.n, args.dim)
+    vecs, doc_group, queries = cached_data(cache) if cache else timed_data()
     chunk_group = np.repeat(doc_group, CHUNKS_PER_DOC)
     users = {share: [f"group:g{g}" for g in range(n)] for share, n in SHARES.items()}
     data = f"{args.data}, {args.topics} topics" if args.data == "clustered" else args.data
@@ -268,13 +296,16 @@ def main() -> None:
     if args.build_only:
         print("# --build-only: the data and the index are in the cache; run again without it to search")
         return
+    t = time.perf_counter()
     flat = FlatIndex(args.dim)
     flat.add(ids, vecs)
+    print(f"# phase exact peer (flat index) copy: {time.perf_counter() - t:.1f} s", flush=True)
 
     group_rows: dict = {}  # ACL token -> the IVF index's row set, made on first use
     t = time.perf_counter()
     truth = exact_truth(vecs, chunk_group, queries, users, ids, args.k)
-    print(f"# exact filtered top {args.k} (numpy, in row chunks) in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"# phase exact truth: exact filtered top {args.k} (numpy, in row chunks) in {time.perf_counter() - t:.1f} s",
+          flush=True)
     for share, tokens in users.items():
         allowed = ids[np.isin(chunk_group, [int(tok.split(":g")[1]) for tok in tokens])]
         # exact peer: flat Faiss with the allow-list as an ID selector

@@ -28,9 +28,14 @@ def test_a_cached_run_in_two_calls_measures_what_one_run_measures(tmp_path: Path
     cache = tmp_path / "cache"
     built = _run("--cache", str(cache), "--build-only")
     assert "faiss-ivf built in" in built and "|" not in built  # stopped before searching
+    # each phase's wall time, so a run cut short by a time limit still says where its time went
+    for phase in ("data", "data save", "faiss-ivf build", "faiss-ivf save"):
+        assert f"# phase {phase}: " in built
+    assert all(f" {step} " in built for step in ("train", "fill", "calibrate"))
     assert {p.name for p in cache.iterdir()} >= {"vecs.npy", "doc_group.npy", "queries.npy", "data.json", "ivf.npz"}
     searched = _run("--cache", str(cache))
     assert "faiss-ivf loaded from" in searched and "data read from" in searched
+    assert "# phase faiss-ivf load: " in searched and "# phase exact truth: " in searched
     rows = _recalls(searched)
     assert any("approximate" in store for store, share, _ in rows if share == "50%")  # the lists were searched
     # As a run that made everything itself: the same rows, the exact peer's recall exactly, and the
