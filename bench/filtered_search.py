@@ -74,6 +74,7 @@ GROUPS = 100
 CHUNKS_PER_DOC = 10
 SHARES = {"50%": 50, "10%": 10, "1%": 1}
 DATA_BLOCK = 65_536  # rows drawn per task (and per child seed)
+THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def make_data(n: int, dim: int, seed: int = 0):
@@ -106,7 +107,7 @@ def make_data(n: int, dim: int, seed: int = 0):
     def draw(m: int, seq: np.random.SeedSequence) -> np.ndarray:
         v = np.empty((m, dim), dtype=np.float32)
         starts = range(0, m, DATA_BLOCK)
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        with ThreadPoolExecutor(max_workers=THREADS) as pool:
             list(pool.map(lambda s, b: fill(v[s:s + DATA_BLOCK], b), starts, seq.spawn(len(starts))))
         return v
 
@@ -140,8 +141,8 @@ def cached_data(cache: Path):
 def timed_data():
     t = time.perf_counter()
     out = make_data(args.n, args.dim)
-    print(f"# phase data: {time.perf_counter() - t:.1f} s ({args.n:,} x {args.dim} float32, "
-          f"{os.cpu_count()} threads)", flush=True)
+    print(f"# phase data: {time.perf_counter() - t:.1f} s ({args.n:,} x {args.dim} float32, {THREADS} threads)",
+          flush=True)
     return out
 
 
