@@ -90,7 +90,7 @@ def parse_only(corpus: Path, workers: int) -> tuple[int, int, float]:
     from ingest.sources import SourceItem, walk_sources
 
     items = list(walk_sources([corpus]))
-    chunker = types.SimpleNamespace(precount=lambda texts: sum(1 for _ in texts))
+    chunker = types.SimpleNamespace(count_batch=lambda texts: {}, use_counts=lambda counts: None)
     pipeline = IngestPipeline(None, None, chunker, chunk_batch=256, workers=workers)  # type: ignore[arg-type]
     started = time.perf_counter()
     parsed = [p for _, p in pipeline._parsed_ahead(iter(items), lambda i: isinstance(i, SourceItem), _Clock({}))]

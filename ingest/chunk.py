@@ -113,6 +113,7 @@ class Chunker:
         self.config = config
         self.is_batched = batched and _splits_at_whitespace(self._tok)
         self._counts: dict[str, int] = {}  # text -> tokens, for texts counted by `precount` (batched only)
+        self._batch_tok: Tokenizer | None = None  # count_batch's own copy (it may run on another thread)
 
     def count_tokens(self, text: str) -> int:
         """Number of tokens in `text`, without special tokens ([CLS], [SEP])."""
@@ -126,14 +127,31 @@ class Chunker:
         A no-op unless `is_batched`. The batch call runs on the tokenizer's threads where
         TOKENIZERS_PARALLELISM allows them.
         """
+        counts = self.count_batch(texts)
+        if self.is_batched:
+            self.use_counts(counts)
+        return len(counts)
+
+    def count_batch(self, texts: Iterable[str]) -> dict[str, int]:
+        """{text: tokens} of `texts` (stripped, each once), in one batch call; {} unless `is_batched`.
+
+        Safe beside this chunker's own use on another thread (a tokenizer copy of its own): the
+        ingest counts the next window here while it chunks the current one (`use_counts`). The
+        batch call releases the GIL.
+        """
         if not self.is_batched:
-            return 0
-        self._counts = {}
+            return {}
         todo = list({t.strip(): None for t in texts if t and t.strip()})
-        if todo:
-            encodings = self._tok.encode_batch_fast(todo, add_special_tokens=False)
-            self._counts = {t: len(e) for t, e in zip(todo, encodings, strict=True)}
-        return len(todo)
+        if not todo:
+            return {}
+        if self._batch_tok is None:
+            self._batch_tok = Tokenizer.from_str(self._tok.to_str())
+        encodings = self._batch_tok.encode_batch_fast(todo, add_special_tokens=False)
+        return {t: len(e) for t, e in zip(todo, encodings, strict=True)}
+
+    def use_counts(self, counts: dict[str, int]) -> None:
+        """Chunk from these counts (a `count_batch` result) from now on; earlier ones are forgotten."""
+        self._counts = counts
 
     def _count(self, text: str) -> int:
         """`count_tokens`, from the precounted texts where it can be."""

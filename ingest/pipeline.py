@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -336,8 +335,9 @@ class IngestPipeline:
         """The items, each with its parse when it was parsed ahead (else None: `_one` parses it).
 
         Windows of up to `chunk_batch` items (and `WINDOW_TEXT_CHARS` of parsed text) are parsed,
-        then their texts are tokenized in one call, before the first of them is handed on: only
-        one window of parsed documents is held at a time. Streamed (huge text) files are not
+        then their texts are tokenized in one call (`Chunker.count_batch`) on a thread of its own
+        while the window before is handed on and chunked (the call releases the GIL): at most two
+        windows of parsed documents are held at a time. Streamed (huge text) files are not
         parsed ahead. With `chunk_batch` 1 nothing is (the one-at-a-time path). With `workers`
         > 1, up to `chunk_batch` sources beyond the window are being parsed in worker processes
         while it is handled; results are taken in the walk's order.
@@ -350,6 +350,8 @@ class IngestPipeline:
         pending: deque[tuple[SourceItem | SourceProblem, Future[Parsed] | Parsed | None]] = deque()
         ahead = self.chunk_batch if pool is not None else 1  # in process: parse each when its turn comes
         walked = False
+        counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-count")
+        previous: tuple[list[tuple[SourceItem | SourceProblem, Parsed | None]], Future[dict[str, int]]] | None = None
         try:
             while True:
                 window: list[tuple[SourceItem | SourceProblem, Parsed | None]] = []
@@ -371,14 +373,18 @@ class IngestPipeline:
                     if job is not None and not isinstance(job, Exception):
                         chars += sum(len(e.text) for e in job[1])
                     window.append((item, job))
-                if not window:
+                counting = counter.submit(self.chunker.count_batch, [
+                    text for _, p in window if p is not None and not isinstance(p, Exception)
+                    for text in (p[0].title or "", *(e.text for e in p[1]))]) if window else None
+                if previous is not None:
+                    with clock("chunk"):  # the wait for its counts: what tokenizing adds to the run
+                        self.chunker.use_counts(previous[1].result())
+                    yield from previous[0]
+                if counting is None:
                     return
-                with clock("chunk"):
-                    self.chunker.precount(itertools.chain.from_iterable(
-                        [p[0].title or "", *(e.text for e in p[1])] for _, p in window
-                        if p is not None and not isinstance(p, Exception)))
-                yield from window
+                previous = (window, counting)
         finally:
+            counter.shutdown(wait=True, cancel_futures=True)
             if pool is not None:
                 pool.close()
 

@@ -170,3 +170,40 @@ def test_the_pipeline_writes_the_same_collection_parsing_ahead(tokenizer, tmp_pa
     assert len(one_rows) > 52 and rows == one_rows
     assert problems == one_problems, problems
     assert [n for n, _ in problems] == ["n05b.txt", "n07b.md"], problems
+
+
+def test_the_next_window_is_counted_while_this_one_is_chunked(tmp_path) -> None:
+    # The count of window 2 waits until the ingest has taken an item of window 1: were windows
+    # counted one after the other before their items were handed on, it would time out.
+    import threading
+
+    from ingest.pipeline import _Clock
+
+    corpus = tmp_path / "records.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"r{i}", "text": f"record {i} text", "acl": ["public"]}) + "\n"
+                              for i in range(6)))
+    took_first = threading.Event()
+    events: list[tuple[str, object]] = []
+
+    class Counting:
+        calls = 0
+
+        def count_batch(self, texts):
+            self.calls += 1
+            window = self.calls
+            if window == 2 and not took_first.wait(timeout=20):
+                events.append(("timed out", window))
+            return {"window": window}
+
+        def use_counts(self, counts):
+            events.append(("use", counts["window"]))
+
+    pipeline = IngestPipeline(None, None, Counting(), chunk_batch=2)  # type: ignore[arg-type]
+    for _item, parsed in pipeline._parsed_ahead(iter(walk_sources([corpus])), lambda i: True, _Clock({})):
+        assert parsed is not None and not isinstance(parsed, Exception)
+        events.append(("item", parsed[0].text))
+        took_first.set()
+    assert ("timed out", 2) not in events
+    # Each window's own counts are in place before its first item is handed on.
+    assert [e for e in events if e[0] == "use"] == [("use", 1), ("use", 2), ("use", 3)]
+    assert events.index(("use", 2)) == 3 and events.index(("use", 3)) == 6 and len(events) == 9
