@@ -419,7 +419,8 @@ class BatchCommitter:
             order = np.argsort([c.index for c in chunks], kind="stable")
             chunks = [chunks[j] for j in order]
             vectors = vectors[order]
-        else:
-            chunks, vectors = entry._ready, np.stack(entry._vectors)
+        else:  # a one-chunk document (most JSONL records): its row of the batch's array, no copy
+            chunks = entry._ready
+            vectors = entry._vectors[0][None] if len(entry._vectors) == 1 else np.stack(entry._vectors)
         assert [c.index for c in chunks] == list(range(entry.num_chunks)), doc.key
         return DocumentWrite(doc, entry.acl, chunks, vectors)
