@@ -246,7 +246,7 @@ class BatchCommitter:
         if self._write_behind:
             if self._writer is not None:
                 self._submit(False, self._release_writer)  # the writer's open batch committed
-                self._collect_writes(0)
+                self._collect_writes(None)
             return
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
@@ -283,6 +283,10 @@ class BatchCommitter:
 
     def _submit(self, is_batch: bool, task: Callable[..., None], *args: object) -> None:
         if self._writer is None:
+            # Writes the caller made before (a shard seeded from the collection) may hold the
+            # store's write transaction on its own connection: committed first, or the writer
+            # would wait for it to time out.
+            self.index.flush()
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-write")
         self._batches_behind += is_batch
         self._writes.append((is_batch, self._writer.submit(self._guarded, task, *args)))
@@ -301,12 +305,13 @@ class BatchCommitter:
         with self.clock("write"):
             write(*args)
 
-    def _collect_writes(self, keep: int) -> None:
-        """Take the writer's finished tasks (the first error rises), waiting until at most `keep` batches are behind."""
+    def _collect_writes(self, keep: int | None) -> None:
+        """Take the writer's finished tasks (the first error rises), waiting until at most `keep`
+        batches are behind (None: until every task is done)."""
         while self._writes:
             is_batch, task = self._writes[0]
             if not task.done():
-                if self._batches_behind <= keep:
+                if keep is not None and self._batches_behind <= keep:
                     break
                 with self.clock("embed_wait"):  # what the embedder and the writer did not hide
                     task.result()

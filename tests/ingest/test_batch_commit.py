@@ -115,13 +115,14 @@ def test_the_next_batch_is_read_while_one_is_embedded() -> None:
     add_document(committer, "a", ["a1", "a2"])
     committer.send()  # batch 1 to the embedder; send returns at once
     add_document(committer, "b", ["bb1"])
-    assert committer.waiting == 1 and store.events == []  # nothing written while batch 1 is out
+    assert committer.waiting == 1 and ("write", "a") not in store.events  # nothing written while batch 1 is out
     queued_more.set()
     committer.flush()
     committer.close()
     assert calls == [["a1", "a2"], ["bb1"]]
     writer = "ingest-write_0"
-    assert store.events == [("write", "a"), ("flush", None), ("write", "b"), ("flush", None),
+    # The caller's flush before the writer starts (its own open batch, if any), then the writer's.
+    assert store.events == [("flush", None), ("write", "a"), ("flush", None), ("write", "b"), ("flush", None),
                             ("release", writer), ("release", writer)]  # flush's, then close's
     assert store.threads == {writer} and committer.written == ["a", "b"]
     np.testing.assert_array_equal(store.rows["a"][1][:, 0], [2, 2])
@@ -402,3 +403,33 @@ def test_the_gil_switch_interval_is_short_while_the_embed_thread_runs_and_restor
             assert abs(sys.getswitchinterval() - 0.005) < 1e-7
     finally:
         sys.setswitchinterval(before)
+
+
+def test_store_writes_alone_are_all_made_by_the_flush() -> None:
+    # A run that only changes ACLs (every document unchanged) sends no batch: the flush must still
+    # wait for every write it queued, not just the batches.
+    store = RecordingStore()
+    committer = make(vectors_of, store)
+    for key in ("a", "b", "c"):
+        committer.store_write(store.set_acl, key, frozenset({"user:carl"}))
+    committer.flush()
+    committer.close()
+    assert [e for e in store.events if e[0] == "acl"] == [("acl", "a"), ("acl", "b"), ("acl", "c")]
+
+
+def test_the_callers_open_batch_is_committed_before_the_writer_writes(tmp_path) -> None:
+    # A shard seeded from the collection leaves its last batch open on the caller's connection
+    # (BEGIN IMMEDIATE): the writer thread's first write would wait for that lock until it timed out.
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    info = catalog.create_collection("c", "fake", "fp", DIM, ChunkingConfig().as_dict())
+    store = EmbeddedCollection(catalog, info, tmp_path / "indexes")
+    store.batch_writes = True  # as ingest opens it
+    seeded = Document(key="seeded", source="seeded", text="s", content_hash="h-s", acl=frozenset({"public"}))
+    store.replace_document(seeded, frozenset({"public"}), [Chunk("seeded", 0, "s", 1)], vectors_of(["s"]))
+    assert catalog.conn.in_transaction  # the caller's batch is open
+    committer = BatchCommitter(store, vectors_of, 1, ChunkStaging(None, "scope"), lambda entry: None, Clock())
+    add_document(committer, "new", ["fresh text"])
+    committer.flush()
+    committer.close()
+    assert catalog.collection_stats("c")["documents"] == 2
+    catalog.close()
