@@ -12,10 +12,18 @@ its last chunk is embedded.
 Overlap (on by default): a full batch goes to one embed thread, and the ingest goes on reading,
 chunking and writing while it is embedded; the batch before it is written while this one is on
 the embedder. On a GPU node the embedder is otherwise idle for all of the CPU stages (on an H200,
-chunking and writing took 4x the embedding of the same 50,000 chunks). At most three batches are
-held: the one being written, the one on the embedder and the one filling. The embed thread only
-computes vectors; every store write, staging file and callback stays on the caller's thread, in
-batch order.
+chunking and writing took 4x the embedding of the same 50,000 chunks). The embed thread only
+computes vectors. Without write-behind, every store write, staging file and callback stays on the
+caller's thread, in batch order, and at most three batches are held: the one being written, the
+one on the embedder and the one filling.
+
+Write-behind (with the overlap, on by default): the writes leave the caller's thread as well. One
+writer thread takes, in the order the caller asked for them, each batch's commit (it waits for the
+batch's vectors, then writes and stages), the write of a document whose chunks were all embedded
+before `end`, the staging discard of an aborted one, and the ACL changes the caller makes between
+documents (`store_write`). The caller waits only when `_MAX_BEHIND` batches are behind it. SQLite's
+statements and the store's index work release the GIL, so they run beside the caller's reading
+and chunking; the Python around them still takes turns with it.
 """
 
 from __future__ import annotations
