@@ -33,7 +33,7 @@ from bench.ingest_gpu import make_corpus  # noqa: E402
 
 
 def run(records: int, ms_per_chunk: float, overlap: bool, embedder: str,
-        write_behind: bool = True) -> tuple[dict[str, float], float]:
+        write_behind: bool = True, switch_ms: float | None = None) -> tuple[dict[str, float], float]:
     """(the run's stage seconds, the sleeping embedder's own seconds)."""
     from rag.pipeline import Rag
     from rag.settings import load_settings
@@ -44,7 +44,8 @@ def run(records: int, ms_per_chunk: float, overlap: bool, embedder: str,
         make_corpus(corpus, records)
         settings = load_settings(home=str(Path(tmp) / "home"), store="memory", ingest_batch_chunks=4096,
                                  ingest_overlap_embedding=overlap, ingest_write_behind=write_behind,
-                                 embedder=str(Path(embedder).resolve()))
+                                 embedder=str(Path(embedder).resolve()),
+                                 **({} if switch_ms is None else {"ingest_switch_interval_ms": switch_ms}))
         rag = Rag(settings)
         model = rag.embedder
         slept = 0.0
@@ -71,21 +72,23 @@ def main() -> None:
     ap.add_argument("--overlap", nargs="+", choices=["true", "false"], default=["true"])
     ap.add_argument("--write-behind", nargs="+", choices=["true", "false"], default=["true"],
                     help="store writes on a writer thread of their own (true, the default) or on the ingest thread")
+    ap.add_argument("--switch-ms", nargs="+", type=float, default=[None],
+                    help="ingest_switch_interval_ms values to run (0: the interpreter's 5 ms; default 0.1)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     print(f"# {datetime.date.today()}; {platform.processor() or platform.machine()}, "
           f"{len(os.sched_getaffinity(0))} usable CPUs; {args.records} records; embedder sleeping "
           f"{args.ms_per_chunk} ms a chunk; code from {Path(__file__).resolve().parents[1]}")
-    print("| overlap | write behind | round | stages, s | total s | embedder alone s | total / alone |")
-    print("|---|---|---|---|---|---|---|")
+    print("| overlap | write behind | GIL switch ms | round | stages, s | total s | embedder alone s | total / alone |")
+    print("|---|---|---|---|---|---|---|---|")
+    settings = [(o, w, m) for o in args.overlap for w in args.write_behind for m in args.switch_ms]
     for r in range(1, args.rounds + 1):  # rounds outermost: each setting again in turn
-        for overlap in args.overlap:
-            for write_behind in args.write_behind:
-                seconds, alone = run(args.records, args.ms_per_chunk, overlap == "true", args.embedder,
-                                     write_behind == "true")
-                stages = json.dumps({k: round(v, 2) for k, v in seconds.items() if k != "total"})
-                print(f"| {overlap} | {write_behind} | {r} | {stages} | {seconds['total']:.2f} | {alone:.2f} "
-                      f"| {alone / seconds['total']:.2f}x |", flush=True)
+        for overlap, write_behind, switch_ms in settings:
+            seconds, alone = run(args.records, args.ms_per_chunk, overlap == "true", args.embedder,
+                                 write_behind == "true", switch_ms)
+            stages = json.dumps({k: round(v, 2) for k, v in seconds.items() if k != "total"})
+            print(f"| {overlap} | {write_behind} | {'default' if switch_ms is None else switch_ms} | {r} | {stages} "
+                  f"| {seconds['total']:.2f} | {alone:.2f} | {alone / seconds['total']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
