@@ -223,13 +223,15 @@ class Rag:
             namer = SourceNamer(self.settings.source_urls)
             guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
             batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
+            # A worker process runs the model: the embed thread here needs no quick GIL hand-overs.
+            switch_ms = self.settings.ingest_switch_interval_ms if self.embedder.launches_here else 0.0
             pipeline = IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer,
                                       guard=guard, max_document_bytes=self.settings.max_document_bytes,
                                       staging_path=staging, chunk_batch=chunk_batch,
                                       workers=ingest_worker_count(self.settings.ingest_workers),
                                       overlap_embedding=self.settings.ingest_overlap_embedding,
                                       write_behind=self.settings.ingest_write_behind,
-                                      switch_interval_ms=self.settings.ingest_switch_interval_ms,
+                                      switch_interval_ms=switch_ms,
                                       embed_ready=self.embedder.wait_ready)  # fmt: skip
             worker_before = self.embedder.worker_seconds
             report = pipeline.run(paths, progress, shard=shard)

@@ -349,6 +349,13 @@ class Embedder:
         with self._workers_lock:  # one call at a time talks to the workers
             return self._embed_spread(texts, shards, progress)
 
+    @property
+    def launches_here(self) -> bool:
+        """Whether this process runs the model (False: a worker process does, `in_worker`, so a thread
+        here that calls `embed` only waits on a pipe and needs no GIL hand-overs for kernel launches:
+        ingest then leaves the GIL switch interval alone, `ingest_switch_interval_ms`)."""
+        return self.runner is not None or not self.config.in_worker
+
     def wait_ready(self) -> None:
         """Block until the model can embed: at once when it runs here, else once its worker
         processes have loaded it (the first `embed` waits the same way).

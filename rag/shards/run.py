@@ -157,6 +157,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         chunking = ChunkingConfig.from_dict(spec.chunking)
         chunker = Chunker(embedder.tokenizer, chunking, batched=settings.ingest_chunk_batch > 1)
         worker_before = embedder.worker_seconds
+        switch_ms = settings.ingest_switch_interval_ms if embedder.launches_here else 0.0  # as Rag._ingest
         report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
                                 batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
                                 max_document_bytes=settings.max_document_bytes,
@@ -164,7 +165,7 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
                                 workers=ingest_worker_count(settings.ingest_workers),
                                 overlap_embedding=settings.ingest_overlap_embedding,
                                 write_behind=settings.ingest_write_behind,
-                                switch_interval_ms=settings.ingest_switch_interval_ms,
+                                switch_interval_ms=switch_ms,
                                 embed_ready=embedder.wait_ready,
                                 staging_path=directory / "staging.sqlite").run(
             roots, progress, shard=(shard, num_shards), collection_documents=live_documents)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ def test_worker_embedder_gives_this_process_s_vectors_without_loading_the_model(
     worker = Embedder(EmbedderConfig(device="cpu", in_worker=True))
     try:
         assert worker.model is None and worker.runner is None  # only the tokenizer and config here
+        assert not worker.launches_here and embedder.launches_here
         assert (worker.dim, worker.max_length, worker.fingerprint) == (
             embedder.dim, embedder.max_length, embedder.fingerprint)
         np.testing.assert_allclose(worker.embed(TEXTS), embedder.embed(TEXTS), atol=1e-5)
@@ -73,11 +75,24 @@ def test_ingest_with_the_embedder_in_its_own_process_writes_the_same_rows(tmp_pa
         (corpus / f"doc{i}.md").write_text(f"# Protocol {i}\n\n" + f"Step {i}: mix the buffer and image it. " * 40)
     (corpus / ".rag-acl.toml").write_text('allow = ["group:imaging"]\n')
     dumps = []
+    default_switch = sys.getswitchinterval()
     for in_worker in (False, True):
         rag = Rag(Settings(home=tmp_path / f"home-{in_worker}", device="cpu", ingest_embed_process=in_worker,
                            ingest_batch_chunks=7))  # several embed calls, documents across them
+        switch: list[float] = []
+        rag.load_ingest_embedder()  # what ingest does first (else `rag.embedder` builds the query embedder)
+        embed = rag.embedder.embed
+
+        def spy(texts, embed=embed, switch=switch):
+            switch.append(sys.getswitchinterval())
+            return embed(texts)
+
+        rag.embedder.embed = spy  # type: ignore[method-assign]
         try:
             report = rag.ingest([corpus])
+            # Quick GIL hand-overs only where this process launches the model's kernels.
+            expected = default_switch if in_worker else 1e-4
+            assert switch and all(abs(x - expected) < 1e-7 for x in switch), (in_worker, switch)
             assert report.added == 6 and not report.problems
             assert (rag.embedder.model is None) == in_worker
             # The worker's own embedding time is reported beside the calls' round trips.
