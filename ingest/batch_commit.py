@@ -208,9 +208,12 @@ class BatchCommitter:
         """Make a store write (an ACL change between documents) in order with the batches' writes.
 
         With write-behind it runs on the writer thread after the writes asked for before it, and
-        its error ends the run at the next `send` or `flush`; else now.
+        its error ends the run at the next `send`, `poll` or `flush`; else now. Timed as "write".
         """
-        self._in_order(write, *args)
+        if self._write_behind:
+            self._in_order(write, *args)
+        else:
+            self._timed_write(write, *args)
 
     def send(self) -> None:
         """Send the queued chunks to the embedder; with overlap, the batches before them are written meanwhile.
