@@ -256,7 +256,7 @@ class BatchCommitter:
         self.send()
         if self._write_behind:
             if self._writer is not None:
-                self._submit(False, self._release_writer)  # the writer's open batch committed
+                self._submit(False, self.index.release_thread)  # its open batch committed, its connection closed
                 self._collect_writes(None)
             return
         if self._inflight is not None:
@@ -273,7 +273,7 @@ class BatchCommitter:
             self._thread = None
         if self._writer is not None:
             # The documents it wrote are whole: commit them, and close its store connection.
-            released = self._writer.submit(self._release_writer)  # also after a failed write
+            released = self._writer.submit(self.index.release_thread)  # also after a failed write
             self._writer.shutdown(wait=True)
             self._writer = None
             self._writes.clear()
@@ -330,10 +330,6 @@ class BatchCommitter:
             self._batches_behind -= is_batch
             task.result()  # the first error ends the run (later tasks did nothing)
         self._report_batches()
-
-    def _release_writer(self) -> None:
-        """On the writer thread: commit what it wrote and close what the store opened for it."""
-        self.index.release_thread()
 
     def _report_batches(self) -> None:
         if self.on_batch is not None and self.counts.batches > self._reported:

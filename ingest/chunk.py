@@ -128,8 +128,7 @@ class Chunker:
         TOKENIZERS_PARALLELISM allows them.
         """
         counts = self.count_batch(texts)
-        if self.is_batched:
-            self.use_counts(counts)
+        self.use_counts(counts)
         return len(counts)
 
     def count_batch(self, texts: Iterable[str]) -> dict[str, int]:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -53,9 +53,6 @@ from rag.errors import IngestError
 from rag.switch_interval import OVERLAP_SWITCH_INTERVAL_MS
 from retrieval.base import CollectionStore
 from retrieval.records import BuildOutcome, DocumentCounts, DocumentState
-
-if TYPE_CHECKING:
-    from ingest.embed.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +137,6 @@ class IngestReport(DocumentCounts):
             "widened": [w.as_dict() for w in self.widened],
             "deletion_refused": self.deletion_refused.as_dict() if self.deletion_refused else None,
         }
-
-
-def note_worker_seconds(report: IngestReport, embedder: Embedder, before: float) -> None:
-    """With the model in a worker process, the stage "embed_in_worker": the seconds it spent embedding
-    inside that process since `before` (its `worker_seconds` then), against "embed", the calls'
-    round trips: the difference is transfer and waiting."""
-    if embedder.model is None:
-        report.seconds["embed_in_worker"] = embedder.worker_seconds - before
 
 
 class IngestPipeline:

@@ -54,7 +54,7 @@ class ChunkStaging:
             create_private_sqlite_file(path)
         # Ingest's writer thread stages and takes rows while the caller's thread looks up the next
         # document's: one connection, one caller at a time (`_lock`).
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._db = sqlite3.connect(str(path) if path is not None else ":memory:", isolation_level=None,
                                    check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL" if path is not None else "PRAGMA journal_mode=MEMORY")

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ingest.deletion_guard import DeletionGuard
-from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, note_worker_seconds
-from ingest.source_names import SourceNamer
+from ingest.pipeline import IngestReport, ProgressFn
 from permissions.models import Principal
 from rag.admission import AdmissionControl
 from rag.answer_mode import AnswerMode, resolve_answer_mode
@@ -199,7 +198,7 @@ class Rag:
 
     def _ingest(self, paths: Sequence[Path], collection: str | None, progress: ProgressFn | None,
                 shard: tuple[int, int] | None, allow_mass_delete: bool) -> IngestReport:
-        from ingest.chunk import Chunker, ChunkingConfig
+        from rag.ingest_run import run_ingest
 
         if ingest_worker_count(self.settings.ingest_workers) > 1:
             from ingest.parse_pool import start_forkserver
@@ -215,28 +214,9 @@ class Rag:
         # staging file and, embedded, overwrite this one's index (rag/ingest_lock.py).
         with exclusive_ingest(staging.with_name(staging.name + ".lock"), f"collection {store.name!r}"):
             store.refresh()  # what a previous holder wrote
-            from ingest.embed.embedder import ingest_batch_chunks
-
-            chunk_batch = self.settings.ingest_chunk_batch
-            chunker = Chunker(self.embedder.tokenizer, ChunkingConfig.from_dict(store.info.chunking),
-                              batched=chunk_batch > 1)
-            namer = SourceNamer(self.settings.source_urls)
             guard = DeletionGuard(self.settings.max_delete_fraction, allow_mass_delete)
-            batch = ingest_batch_chunks(self.embedder.device, self.settings.ingest_batch_chunks)
-            # A worker process runs the model: the embed thread here needs no quick GIL hand-overs.
-            switch_ms = self.settings.ingest_switch_interval_ms if self.embedder.launches_here else 0.0
-            pipeline = IngestPipeline(store, self.embedder.embed, chunker, batch_chunks=batch, namer=namer,
-                                      guard=guard, max_document_bytes=self.settings.max_document_bytes,
-                                      staging_path=staging, chunk_batch=chunk_batch,
-                                      workers=ingest_worker_count(self.settings.ingest_workers),
-                                      overlap_embedding=self.settings.ingest_overlap_embedding,
-                                      write_behind=self.settings.ingest_write_behind,
-                                      switch_interval_ms=switch_ms,
-                                      embed_ready=self.embedder.wait_ready)  # fmt: skip
-            worker_before = self.embedder.worker_seconds
-            report = pipeline.run(paths, progress, shard=shard)
-            note_worker_seconds(report, self.embedder, worker_before)
-            return report
+            return run_ingest(self.settings, self.embedder, store, store.info.chunking, paths, progress,
+                              guard=guard, staging_path=staging, shard=shard)
 
     def readable_collections(self, principal: Principal) -> list[str]:
         """Collections in which `principal` may read at least one chunk (others stay unnamed)."""

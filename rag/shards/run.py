@@ -17,15 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ingest.chunk import Chunker, ChunkingConfig
 from ingest.deletion_guard import DeletionGuard
-from ingest.embed.embedder import ingest_batch_chunks
-from ingest.pipeline import IngestPipeline, IngestReport, ProgressFn, note_worker_seconds, shard_of
-from ingest.source_names import SourceNamer
+from ingest.pipeline import IngestReport, ProgressFn, shard_of
 from ingest.sources import has_sources, is_under_any, scan_roots
 from rag.errors import ConfigError
+from rag.ingest_run import run_ingest
 from rag.private_files import private_mkdir
-from rag.settings import check_collection_name, ingest_worker_count
+from rag.settings import check_collection_name
 from rag.shards.layout import COMPLETE, INGESTING, ShardRecord, read_record, shard_dir, write_record
 from retrieval.records import BuildSpec, CollectionInfo, DocumentCounts
 from retrieval.stores.embedded.catalog import Catalog
@@ -154,22 +152,9 @@ def ingest_shard(rag: Rag, paths: Sequence[Path], collection: str | None, shard:
         write_record(directory, record)
         # The guard's fraction is of the whole collection's fair share per shard (this store holds only its part).
         live_documents = rag.catalog.collection_stats(live.name)["documents"] if live is not None else None
-        chunking = ChunkingConfig.from_dict(spec.chunking)
-        chunker = Chunker(embedder.tokenizer, chunking, batched=settings.ingest_chunk_batch > 1)
-        worker_before = embedder.worker_seconds
-        switch_ms = settings.ingest_switch_interval_ms if embedder.launches_here else 0.0  # as Rag._ingest
-        report = IngestPipeline(store, embedder.embed, chunker, guard=guard, namer=SourceNamer(settings.source_urls),
-                                batch_chunks=ingest_batch_chunks(embedder.device, settings.ingest_batch_chunks),
-                                max_document_bytes=settings.max_document_bytes,
-                                chunk_batch=settings.ingest_chunk_batch,
-                                workers=ingest_worker_count(settings.ingest_workers),
-                                overlap_embedding=settings.ingest_overlap_embedding,
-                                write_behind=settings.ingest_write_behind,
-                                switch_interval_ms=switch_ms,
-                                embed_ready=embedder.wait_ready,
-                                staging_path=directory / "staging.sqlite").run(
-            roots, progress, shard=(shard, num_shards), collection_documents=live_documents)
-        note_worker_seconds(report, embedder, worker_before)
+        report = run_ingest(settings, embedder, store, spec.chunking, roots, progress, guard=guard,
+                            staging_path=directory / "staging.sqlite", shard=(shard, num_shards),
+                            collection_documents=live_documents)
         record.state, record.finished_at, record.report = COMPLETE, time.time(), report.as_dict()
         write_record(directory, record)
         stats = store.stats()
