@@ -68,6 +68,9 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = load_settings(home=args.home)
+    from bench.stack_sampler import start_from_env
+
+    start_from_env()  # RAG_BENCH_STACKS=FILE: where the server's threads spend their time
     uvicorn.run(build_app(settings), host="127.0.0.1", port=args.port,
                 log_level="warning", access_log=False)
 

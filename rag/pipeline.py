@@ -326,7 +326,9 @@ class Rag:
                               kv_reuse=self.settings.engine_kv_reuse,
                               host_kv_blocks=self.settings.engine_host_kv_blocks,
                               quantization=self.settings.engine_quantization,
-                              kv_cache_dtype=self.settings.engine_kv_cache_dtype)
+                              kv_cache_dtype=self.settings.engine_kv_cache_dtype,
+                              switch_interval_ms=self.settings.engine_switch_interval_ms,
+                              max_num_batched_tokens=self.settings.engine_max_num_batched_tokens)
 
     @cached_property
     def admission(self) -> AdmissionControl:

@@ -194,6 +194,9 @@ class Settings(BaseSettings):
     # Local engine sizing (None = the engine's defaults, sized from free memory on a GPU).
     engine_max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
     engine_num_kv_blocks: int | None = Field(default=None, ge=1)
+    # Most tokens one engine step computes (prefill chunks plus one per decode; None: the engine's
+    # 8,192). Higher lets more queued prompts start per step at the price of longer steps (TPOT).
+    engine_max_num_batched_tokens: int | None = Field(default=None, ge=16, le=1 << 20)
     # How the local engine reuses retrieved chunks' KV: "exact" (a shared prefix only) or
     # "chunks" (a chunk's KV at any position, its first block recomputed: an approximation; see
     # README "Chunk KV reuse at any position" and its quality table before switching it on).
@@ -206,6 +209,10 @@ class Settings(BaseSettings):
     # FP8); engine_kv_cache_dtype "fp8" stores KV in e4m3, twice the tokens per GiB.
     engine_quantization: Literal["fp8"] | None = None
     engine_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # The GIL switch interval (ms) while a local engine steps on a GPU beside the service's event
+    # loop: each of a step's torch launches gives the GIL up and may wait this long to get it back
+    # (rag/switch_interval.py). 0 leaves the interpreter's 5 ms.
+    engine_switch_interval_ms: float = Field(default=0.0, ge=0.0, le=100.0)
     # Admission control of the query service: generations in flight, and requests waiting for
     # one; past both, 429 with Retry-After. Each request has a deadline (504 past it).
     max_concurrent_generations: int = Field(default=64, ge=1, le=4096)

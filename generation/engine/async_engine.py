@@ -17,6 +17,7 @@ from generation.engine.metrics import MetricsSnapshot
 from generation.engine.prompt_segments import PromptSegment
 from generation.sampling_params import SamplingParams
 from rag.errors import GenerationError
+from rag.switch_interval import acquire_shorter, release_shorter
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,18 @@ class AsyncLLMEngine:
 
     Args:
         engine: the engine to drive; nothing else may call its add/abort/step meanwhile.
+        switch_interval_ms: while the step thread runs a CUDA engine, the process's GIL switch
+            interval is at most this (0: left as it is). Each torch op of a step releases the GIL
+            and must take it back before the next launch; beside the event loop's Python (HTTP,
+            streaming, retrieval) it could wait the interpreter's whole 5 ms for it per op
+            (rag/switch_interval.py). Restored at shutdown.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, switch_interval_ms: float = 0.0) -> None:
         self.engine = engine
+        self._shorter_switch = switch_interval_ms > 0 and engine.model_runner.device.type == "cuda"
+        if self._shorter_switch:
+            acquire_shorter(switch_interval_ms)
         self._cv = threading.Condition()
         # Guarded by _cv: work handed to the step thread, and the registered consumers.
         self._pending_adds: list[Request] = []
@@ -145,8 +154,10 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the step thread after its current step; waiting consumers get an error."""
         with self._cv:
-            self._stopping = True
+            already, self._stopping = self._stopping, True
             self._cv.notify()
+        if self._shorter_switch and not already:
+            release_shorter()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 

@@ -110,7 +110,7 @@ def serve(
         raise ConfigError(f"invalid engine setting: {e}") from e
     name = served_model_name or model_dir.name
     typer.echo(f"loading {model_dir} ...", err=True)
-    engine = AsyncLLMEngine(LLMEngine(model_dir, config))
+    engine = AsyncLLMEngine(LLMEngine(model_dir, config), settings.engine_switch_interval_ms)
     freeze_startup_heap()  # the model and modules stay out of the full GCs of serving
     app = create_engine_app(engine, name, key, owns_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))

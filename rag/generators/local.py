@@ -44,13 +44,18 @@ class LocalGenerator:
             chunks, suffix), so a chunk's KV is reused wherever it lands.
         host_kv_blocks: blocks of the engine's host-memory KV tier (None or 0: off).
         quantization: None or "fp8" (EngineConfig.quantization); kv_cache_dtype: "auto" or "fp8".
+        max_num_batched_tokens: most tokens an engine step computes (None: the engine's default,
+            raised to max_num_seqs).
+        switch_interval_ms: the GIL switch interval while the engine steps on a GPU (see
+            AsyncLLMEngine; 0: the interpreter's).
     """
 
     def __init__(self, model_dir: Path | None = None, device: str | None = None,
                  max_num_seqs: int | None = None, num_kv_blocks: int | None = None,
                  engine: Any | None = None, kv_reuse: str | None = None,
                  host_kv_blocks: int | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, switch_interval_ms: float = 0.0,
+                 max_num_batched_tokens: int | None = None) -> None:
         from generation.engine.async_engine import AsyncLLMEngine
 
         if engine is None:
@@ -64,9 +69,11 @@ class LocalGenerator:
                                             "quantization": quantization,
                                             "kv_cache_dtype": kv_cache_dtype}.items()
                          if v is not None}
-            if max_num_seqs is not None:
+            if max_num_batched_tokens is not None:
+                overrides["max_num_batched_tokens"] = max_num_batched_tokens
+            elif max_num_seqs is not None:
                 overrides["max_num_batched_tokens"] = max(EngineConfig.max_num_batched_tokens, max_num_seqs)
-            engine = AsyncLLMEngine(LLMEngine(model_dir, EngineConfig(**overrides)))
+            engine = AsyncLLMEngine(LLMEngine(model_dir, EngineConfig(**overrides)), switch_interval_ms)
         self.engine: AsyncLLMEngine = engine
         self.tokenizer = engine.engine.tokenizer
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

@@ -151,3 +151,34 @@ def test_after_shutdown_requests_fail(tiny_model_factory):
             await collect(engine, PROMPTS[1], SamplingParams(max_tokens=3))
 
     asyncio.run(main())
+
+
+class _IdleEngine:
+    """Just enough of an LLMEngine for the step thread to wait: never any work."""
+
+    def __init__(self, device: str) -> None:
+        import types
+
+        import torch
+
+        self.model_runner = types.SimpleNamespace(device=torch.device(device))
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("device", "lowered"), [("cuda", True), ("cpu", False)])
+def test_switch_interval_lowered_only_while_a_gpu_engine_runs(device, lowered):
+    import sys
+
+    before = sys.getswitchinterval()
+    engine = AsyncLLMEngine(_IdleEngine(device), switch_interval_ms=0.2)  # type: ignore[arg-type]
+    try:
+        assert sys.getswitchinterval() == (pytest.approx(0.0002) if lowered else before)
+    finally:
+        engine.shutdown()
+        engine.shutdown()  # a second shutdown must not release the interval twice
+    assert sys.getswitchinterval() == before
+    idle = AsyncLLMEngine(_IdleEngine(device))  # 0: left as it is
+    assert sys.getswitchinterval() == before
+    idle.shutdown()

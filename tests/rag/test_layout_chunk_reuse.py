@@ -127,3 +127,25 @@ def test_the_settings_reach_the_engine(tmp_path, model_dir):
         assert generator.metrics().host_kv_blocks == 4
     finally:
         generator.engine.shutdown()
+
+
+def test_the_step_budget_and_switch_interval_settings_reach_the_engine(tmp_path, model_dir):
+    import pytest
+
+    from rag.settings import load_settings
+
+    defaults = load_settings(home=tmp_path / "a")
+    assert (defaults.engine_max_num_batched_tokens, defaults.engine_switch_interval_ms) == (None, 0.0)
+    with pytest.raises(Exception, match="engine_max_num_batched_tokens"):
+        load_settings(home=tmp_path / "b", engine_max_num_batched_tokens=0)
+    with pytest.raises(Exception, match="engine_switch_interval_ms"):
+        load_settings(home=tmp_path / "c", engine_switch_interval_ms=-1)
+    settings = load_settings(home=tmp_path / "d", generator=str(model_dir), device="cpu", engine_num_kv_blocks=64,
+                             engine_max_num_seqs=4, engine_max_num_batched_tokens=96, engine_switch_interval_ms=0.5)
+    rag = Rag(settings)
+    try:
+        engine = rag.generator.engine
+        assert (engine.engine.config.max_num_seqs, engine.engine.config.max_num_batched_tokens) == (4, 96)
+        assert not engine._shorter_switch  # a CPU engine leaves the interval alone
+    finally:
+        rag.close()
