@@ -158,7 +158,9 @@ def ingest(
     started = time.perf_counter()
     show = sys.stderr.isatty() and not as_json
     with IngestProgress(enabled=show) as bar:
-        rag.embedder  # noqa: B018 - load before the bar starts counting documents
+        # Before the bar starts counting documents; in a worker process where ingest_embed_process
+        # says so (touching `rag.embedder` here would load the query embedder in this process).
+        rag.load_ingest_embedder()
         progress = bar.update
         if sharding is None:
             # Says so up front when this run builds a new version of the collection.

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 RAG = [sys.executable, "-c", "from rag.cli import main; main()"]
 
 
-def _run(args, home: Path, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+def _run(args, home: Path, env_extra: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAG_HOME": str(home), "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", **(env_extra or {})}
     return subprocess.run(RAG + list(args), env=env, capture_output=True, text=True,
                           timeout=600, **kw)
 
@@ -42,6 +42,22 @@ def corpus(tmp_path_factory):
     (root / "empty.md").write_text("")
     (root / "bad.jsonl").write_text('{"id": "a", "text": "Record A is fine."}\n{not json\n')
     return root
+
+
+def test_ingest_embeds_in_a_worker_process_where_the_setting_says_so(tmp_path, model_cache):
+    # The command loads its embedder before the progress bar starts: that must be the ingest's
+    # embedder (a worker process on a GPU by default, here forced), not the query embedder.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.md").write_text("# A\n\nThe centrifuge is booked on Mondays.\n")
+    for in_worker in ("true", "false"):
+        home = tmp_path / f"home-{in_worker}"
+        home.mkdir()
+        (home / "models").symlink_to(model_cache, target_is_directory=True)
+        r = _run(["ingest", str(corpus), "--json"], home, env_extra={"RAG_INGEST_EMBED_PROCESS": in_worker})
+        assert r.returncode == 0, r.stderr
+        seconds = json.loads(r.stdout)["seconds"]
+        assert ("embed_in_worker" in seconds) == (in_worker == "true"), seconds
 
 
 def test_ingest_reports_bad_sources_and_goes_on(home, corpus):
