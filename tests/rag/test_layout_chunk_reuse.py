@@ -135,7 +135,7 @@ def test_the_step_budget_and_switch_interval_settings_reach_the_engine(tmp_path,
     from rag.settings import load_settings
 
     defaults = load_settings(home=tmp_path / "a")
-    assert (defaults.engine_max_num_batched_tokens, defaults.engine_switch_interval_ms) == (None, 0.0)
+    assert (defaults.engine_max_num_batched_tokens, defaults.engine_switch_interval_ms) == (None, 0.1)
     with pytest.raises(Exception, match="engine_max_num_batched_tokens"):
         load_settings(home=tmp_path / "b", engine_max_num_batched_tokens=0)
     with pytest.raises(Exception, match="engine_switch_interval_ms"):
