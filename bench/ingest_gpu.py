@@ -165,8 +165,8 @@ def main() -> None:
         cores = len(os.sched_getaffinity(0))
         print(f"# {datetime.date.today()}; {hardware}; {cores} usable CPU cores "
               f"({platform.machine()}); torch {torch.__version__}; {args.records} records")
-        print("| round | TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process | embed call "
-              "| tokenizer threads | write behind | ingest wall | ingest embed stage | embedder alone "
+        print("| round | TOKENIZERS_PARALLELISM | chunk batch | overlap | GIL switch ms | embed process: ran "
+              "| embed call | tokenizer threads | write behind | ingest wall | ingest embed stage | embedder alone "
               "| embed stage / alone | ingest total / alone |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         settings = [(r, p) for r in range(1, args.rounds + 1)
@@ -186,9 +186,13 @@ def main() -> None:
                     peer = out["peer"]["chunks"] / peer_s
                 chunks = s.get("chunks_written") or s.get("chunks_embedded")
                 embed_s, total_s = s["seconds"]["embed"], s["seconds"]["total"]
+                # Where the model ran, from the report itself (a setting the command ignored once
+                # went unnoticed: the CLI kept the model in process, 659c962 to 26ba8fc).
+                ran = "worker" if "embed_in_worker" in s["seconds"] else "in process"
                 print(f"| {round_no} | {setting or 'unset (CLI default)'} | {chunk_batch or 'default'}"
                       f" | {overlap or 'default'}"
-                      f" | {switch_ms or 'default'} | {embed_process or 'default'} | {batch_chunks or 'default'}"
+                      f" | {switch_ms or 'default'} | {embed_process or 'default'}: {ran}"
+                      f" | {batch_chunks or 'default'}"
                       f" | {rayon or 'default'} | {write_behind or 'default'}"
                       f" | {out['wall']:.1f} s ({s['added'] / out['wall']:.0f} docs/s)"
                       f" | {chunks / embed_s:,.0f} chunks/s ({embed_s:.1f} s) | {peer:,.0f} chunks/s ({peer_s:.1f} s)"
