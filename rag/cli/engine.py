@@ -97,7 +97,8 @@ def serve(
     else:
         model_dir = resolve_model_dir(None if model == DEFAULT_MODEL else model, settings.model_cache)
     overrides = {"device": device or settings.device, "max_num_seqs": max_num_seqs or settings.engine_max_num_seqs,
-                 "num_kv_blocks": num_kv_blocks or settings.engine_num_kv_blocks, "max_model_len": max_model_len}
+                 "num_kv_blocks": num_kv_blocks or settings.engine_num_kv_blocks, "max_model_len": max_model_len,
+                 "max_num_batched_tokens": settings.engine_max_num_batched_tokens}  # --engine-arg wins
     both = sorted(k for k in extra if k in ("device", "max_num_seqs", "num_kv_blocks", "max_model_len")
                   and {"device": device, "max_num_seqs": max_num_seqs, "num_kv_blocks": num_kv_blocks,
                        "max_model_len": max_model_len}[k] is not None)

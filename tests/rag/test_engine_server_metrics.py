@@ -106,6 +106,20 @@ def test_cli_refuses_an_engine_arg_it_also_has_as_an_option(tmp_path):
     assert isinstance(result.exception, ConfigError) and "max_num_seqs" in str(result.exception)
 
 
+def test_cli_takes_the_step_budget_from_the_settings_and_an_engine_arg_over_it(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rag.cli.main import app
+
+    # A budget below max_num_seqs is refused before any model loads: the refusal shows which value won.
+    monkeypatch.setenv("RAG_ENGINE_MAX_NUM_BATCHED_TOKENS", "16")
+    result = CliRunner().invoke(app, ["--home", str(tmp_path), "engine", "serve", "default", "--max-num-seqs", "32"])
+    assert isinstance(result.exception, ConfigError) and "max_num_batched_tokens (16)" in str(result.exception)
+    result = CliRunner().invoke(app, ["--home", str(tmp_path), "engine", "serve", "default", "--max-num-seqs", "32",
+                                      "--engine-arg", "max_num_batched_tokens=24"])
+    assert isinstance(result.exception, ConfigError) and "max_num_batched_tokens (24)" in str(result.exception)
+
+
 # --- the real server: what an autoscaler scrapes while requests are in flight ----------------------------------
 
 @pytest.mark.slow
