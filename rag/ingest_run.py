@@ -38,6 +38,6 @@ def run_ingest(settings: Settings, embedder: Embedder, store: CollectionStore, c
                               embed_ready=embedder.wait_ready)
     worker_before = embedder.worker_seconds
     report = pipeline.run(paths, progress, shard=shard, collection_documents=collection_documents)
-    if embedder.model is None:
+    if not embedder.launches_here:
         report.seconds["embed_in_worker"] = embedder.worker_seconds - worker_before
     return report

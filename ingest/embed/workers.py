@@ -85,7 +85,10 @@ def _serve(spec: RunnerSpec, conn: Connection, tokenizer_threads: int) -> None:
         except Exception as e:  # reported to the caller, which raises it; the worker lives on
             conn.send(("error", f"{type(e).__name__}: {e}"))
             continue
-        send_array(conn, raw, "ok", vectors, time.perf_counter() - started)
+        try:
+            send_array(conn, raw, "ok", vectors, time.perf_counter() - started)
+        except OSError:  # the process that started this one is gone
+            return
 
 
 class EmbedWorkers:

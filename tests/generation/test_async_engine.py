@@ -182,3 +182,21 @@ def test_switch_interval_lowered_only_while_a_gpu_engine_runs(device, lowered):
     idle = AsyncLLMEngine(_IdleEngine(device))  # 0: left as it is
     assert sys.getswitchinterval() == before
     idle.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_gpu_engine_lowers_the_switch_interval_while_it_serves(tiny_model_factory):
+    import sys
+
+    path, _ = tiny_model_factory("default", tokenizer=True)
+    before = sys.getswitchinterval()
+    engine = AsyncLLMEngine(LLMEngine(path, EngineConfig(device="cuda", block_size=4)), switch_interval_ms=0.1)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        text = "".join(asyncio.run(collect(engine, PROMPTS[0], params)))
+        assert len(text) > 0
+    finally:
+        engine.shutdown()
+    assert sys.getswitchinterval() == before
